@@ -1,0 +1,105 @@
+"""Loading a YAML config, applying ``key=value`` overrides, merging onto the structured defaults.
+
+Every unknown key and wrong type is collected and reported at once.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from miles.config.schema import MilesConfig
+from miles.errors import ConfigError
+
+__all__ = ["load_config", "parse_overrides"]
+
+
+def parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. run.steps=50)")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot parse overrides {list(overrides)}: {exc}") from exc
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    return OmegaConf.create(data)
+
+
+def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) for every leaf; open mappings under `Any` fields are merged whole."""
+    if isinstance(node, dict) and node:
+        out = []
+        for key, value in node.items():
+            out.extend(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return [(prefix, node)]
+
+
+def _describe(exc: OmegaConfBaseException, key: str, value: Any, source: str, schema: DictConfig) -> str:
+    if isinstance(exc, ConfigKeyError):
+        # Walk down to the first part of the key that the schema does not have.
+        node: Any = schema
+        path: list[str] = []
+        for part in key.split("."):
+            if not isinstance(node, DictConfig) or part not in node:
+                break
+            path.append(part)
+            node = node[part]
+        known = list(node.keys()) if isinstance(node, DictConfig) else []
+        close = difflib.get_close_matches(part, known, n=1)
+        hint = f"; did you mean {'.'.join(path + [close[0]])!r}?" if close else ""
+        section = ".".join(path) or "the top level"
+        return f"unknown config key {key!r} (in {source}); the keys of {section} are: {', '.join(known)}{hint}"
+    if isinstance(exc, ValidationError):
+        default = OmegaConf.select(schema, key, throw_on_missing=False)
+        expected = type(default).__name__ if default is not None else "the declared type"
+        return f"config key {key!r} (in {source}) expects {expected}, got {value!r} ({type(value).__name__})"
+    return f"config key {key!r} (in {source}): {exc}"
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictConfig:
+    """The merged config: structured defaults, then the file, then the overrides."""
+    schema = OmegaConf.structured(MilesConfig)
+    sources: list[tuple[str, DictConfig]] = []
+    if path is not None:
+        sources.append((str(path), _read_yaml(Path(path))))
+    if overrides:
+        sources.append(("overrides", parse_overrides(overrides)))
+
+    merged = schema.copy()
+    problems: list[str] = []
+    for source, cfg in sources:
+        container = OmegaConf.to_container(cfg, resolve=False)
+        for key, value in _leaves(container):
+            try:
+                merged.merge_with(_nest(key, value))
+            except OmegaConfBaseException as exc:
+                problems.append(_describe(exc, key, value, source, schema))
+    if problems:
+        raise ConfigError("Config is not well-formed, found the following errors:\n- " + "\n- ".join(problems))
+    return merged
+
+
+def _nest(key: str, value: Any) -> DictConfig:
+    node: Any = value
+    for part in reversed(key.split(".")):
+        node = {part: node}
+    return OmegaConf.create(node)

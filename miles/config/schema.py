@@ -1,0 +1,129 @@
+"""Structured defaults for every config section.
+
+Fixed sections are dataclasses (unknown keys and wrong types are errors). Component nodes
+(``reward``, ``advantage``, ``loss``, ``backend``, ``rollout.fn`` ...) are open mappings with a
+``name`` plus the arguments of the component it names; those are checked against the component's
+signature by :mod:`miles.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["MilesConfig", "COMPONENT_NODES", "COMPONENT_LISTS"]
+
+
+def _component(name: str, **args: Any) -> Any:
+    return field(default_factory=lambda: {"name": name, **args})
+
+
+@dataclass
+class TokenizerConfig:
+    kind: str = "char"  # only "char" builds a tokenizer; used when model.path is not set
+    alphabet: str = "0123456789+-*= "
+
+
+@dataclass
+class ModelBuildConfig:
+    arch: str = "qwen3"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 256
+    max_position_embeddings: int = 128
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # an HF-format directory; when unset, a model is built from `build`
+    build: ModelBuildConfig = field(default_factory=ModelBuildConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+
+@dataclass
+class DataConfig:
+    train_path: Optional[str] = None  # JSONL or Parquet
+    eval_path: Optional[str] = None
+    generator: Any = None  # {name: ..., **args}: write train/eval files under the run dir first
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    chat_template: str = "auto"  # auto: when the tokenizer has one; "true" or "false" to force
+    shuffle: bool = True
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 0  # supervised warm-up steps on prompt/label pairs before RL; 0 skips it
+    batch_size: int = 64
+    lr: float = 3e-3
+    loss: Any = _component("sft")
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class RolloutConfig:
+    fn: Any = _component("single_turn")
+    engine: Any = _component("local")
+    weight_sync: Any = _component("in_process")
+    prompts_per_step: int = 16
+    n_samples: int = 8
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class PluginsConfig:
+    allow: Optional[list[str]] = None  # entry-point plugins to load; null loads all installed
+
+
+@dataclass
+class RunConfig:
+    steps: int = 100  # RL steps
+    dir: str = "runs/default"
+    seed: int = 0
+    eval_every: int = 0  # also evaluate every k steps (0: only at start and end)
+    eval_size: int = 200  # held-out prompts per evaluation (0 disables evaluation)
+    eval_pass_reward: float = 1.0  # a held-out prompt counts as solved at this reward or above
+    max_failed_frac: float = 0.5  # stop the run when more of a step's samples fail
+    progress: bool = True
+    loggers: Any = field(default_factory=lambda: [{"name": "jsonl"}])
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+
+
+@dataclass
+class MilesConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: Any = _component("exact_match")
+    advantage: Any = _component("grpo")
+    loss: Any = _component("ppo_clip")
+    selection: Any = field(default_factory=list)
+    backend: Any = _component("torch")
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# Where component nodes live, and which kind each names. A null node is allowed where noted.
+COMPONENT_NODES: dict[str, str] = {
+    "reward": "reward",
+    "advantage": "advantage",
+    "loss": "loss",
+    "backend": "backend",
+    "sft.loss": "loss",
+    "rollout.fn": "rollout_fn",
+    "rollout.engine": "rollout_engine",
+    "rollout.weight_sync": "weight_transport",
+    "data.generator": "data_generator",
+}
+OPTIONAL_NODES = {"data.generator"}
+COMPONENT_LISTS: dict[str, str] = {"selection": "data_selector", "run.loggers": "logger"}

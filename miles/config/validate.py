@@ -1,0 +1,78 @@
+"""Checking a loaded config before anything runs: every component node against the signature of
+what it names, and the values that must lie in a range. All problems are reported at once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from miles.config.schema import COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES
+from miles.errors import ConfigError
+from miles.registry import Registry
+
+__all__ = ["validate_config", "component_node"]
+
+# (key, predicate, what is expected)
+_RANGES: list[tuple[str, Any, str]] = [
+    ("run.steps", lambda v: v >= 0, "a whole number >= 0"),
+    ("run.eval_size", lambda v: v >= 0, "a whole number >= 0"),
+    ("run.eval_every", lambda v: v >= 0, "a whole number >= 0"),
+    ("run.max_failed_frac", lambda v: 0 <= v <= 1, "a fraction between 0 and 1"),
+    ("sft.steps", lambda v: v >= 0, "a whole number >= 0"),
+    ("sft.batch_size", lambda v: v >= 1, "a whole number >= 1"),
+    ("sft.lr", lambda v: v > 0, "a positive number"),
+    ("rollout.prompts_per_step", lambda v: v >= 1, "a whole number >= 1"),
+    ("rollout.n_samples", lambda v: v >= 1, "a whole number >= 1"),
+    ("rollout.sampling.max_new_tokens", lambda v: v >= 1, "a whole number >= 1"),
+    ("rollout.sampling.temperature", lambda v: v >= 0, "a number >= 0 (0 is greedy)"),
+    ("rollout.sampling.top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("rollout.sampling.top_k", lambda v: v == -1 or v >= 1, "-1 (off) or a whole number >= 1"),
+    ("data.chat_template", lambda v: v in ("auto", "true", "false", True, False), "auto, true or false"),
+]
+
+
+def component_node(node: Any) -> dict[str, Any]:
+    """A component node as a plain dict (a bare string is shorthand for ``{name: string}``)."""
+    if isinstance(node, str):
+        return {"name": node}
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+    if isinstance(node, Mapping):
+        return dict(node)
+    raise TypeError(type(node).__name__)
+
+
+def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[str]:
+    try:
+        plain = component_node(node)
+    except TypeError:
+        return [f"{where}: expected a mapping with 'name' (the {kind} to use) and its arguments, got {node!r}"]
+    return registry.check(kind, plain, where)
+
+
+def validate_config(config: DictConfig, registry: Registry) -> None:
+    problems: list[str] = []
+    for key, kind in COMPONENT_NODES.items():
+        node = OmegaConf.select(config, key)
+        if node is None and key in OPTIONAL_NODES:
+            continue
+        problems += _check_node(registry, kind, node, key)
+    for key, kind in COMPONENT_LISTS.items():
+        nodes = OmegaConf.select(config, key)
+        if not isinstance(nodes, (ListConfig, list)):
+            problems.append(f"{key}: expected a list of {kind} nodes ({{name: ..., args}}), got {nodes!r}")
+            continue
+        for i, node in enumerate(nodes):
+            problems += _check_node(registry, kind, node, f"{key}[{i}]")
+    for key, ok, expected in _RANGES:
+        value = OmegaConf.select(config, key)
+        if not ok(value):
+            problems.append(f"{key}: expected {expected}, got {value!r}")
+    if config.model.path is None and config.model.tokenizer.kind != "char":
+        problems.append(f"model.tokenizer.kind: only 'char' can be built locally, got {config.model.tokenizer.kind!r}")
+    if config.data.train_path is None and config.data.generator is None:
+        problems.append("data: set data.train_path (a JSONL or Parquet file) or data.generator (synthetic data)")
+    if problems:
+        raise ConfigError("Config is not well-formed, found the following errors:\n- " + "\n- ".join(problems))

@@ -1,0 +1,70 @@
+"""Sampling parameters (SGLang names) and vectorised per-row sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+__all__ = ["SamplingParams", "sample_next"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    n: int = 1
+
+    @classmethod
+    def parse(cls, params: dict[str, Any] | None) -> "SamplingParams":
+        """Parse SGLang-style ``sampling_params``; a ValueError names the offending field."""
+        params = dict(params or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(
+                f"sampling_params: unknown parameter(s) {', '.join(map(repr, unknown))}; "
+                f"supported: {', '.join(sorted(known))}"
+            )
+        out = cls(**{**params, "stop_token_ids": tuple(params.get("stop_token_ids") or ())})
+        checks = [
+            ("max_new_tokens", isinstance(out.max_new_tokens, int) and out.max_new_tokens >= 0, "an integer >= 0"),
+            ("temperature", isinstance(out.temperature, (int, float)) and out.temperature >= 0, "a number >= 0"),
+            ("top_p", isinstance(out.top_p, (int, float)) and 0 < out.top_p <= 1, "a number in (0, 1]"),
+            ("top_k", isinstance(out.top_k, int) and (out.top_k == -1 or out.top_k >= 1), "-1 or an integer >= 1"),
+            ("n", isinstance(out.n, int) and out.n >= 1, "an integer >= 1"),
+            ("stop_token_ids", all(isinstance(t, int) for t in out.stop_token_ids), "a list of token ids"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"sampling_params.{name}: expected {expected}, got {getattr(out, name)!r}")
+        return out
+
+
+def sample_next(
+    logits: torch.Tensor,  # [B, V] float32
+    temperature: torch.Tensor,  # [B]
+    top_p: torch.Tensor,  # [B]
+    top_k: torch.Tensor,  # [B] long, -1 for off
+    generator: torch.Generator | None,
+) -> torch.Tensor:  # [B] long
+    greedy = temperature == 0
+    scaled = logits / temperature.clamp(min=1e-5).unsqueeze(1)
+    if bool(((top_k > 0) | (top_p < 1)).any()):
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(scaled.shape[-1]).unsqueeze(0)
+        k = torch.where(top_k > 0, top_k, scaled.shape[-1]).unsqueeze(1)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = (ranks >= k) | (mass_before > top_p.unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+    sampled = torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator).squeeze(1)
+    if bool(greedy.any()):
+        sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return sampled

@@ -1,0 +1,182 @@
+"""Every hook Miles calls, in one module. The docstrings are the reference documentation.
+
+A plugin is a module (or object) whose functions are marked with :data:`miles.hookimpl` and named
+after the hooks below. Hooks are always called with keyword arguments, so an implementation may
+accept only the arguments it needs (``def miles_rollout_end(groups): ...`` is valid).
+
+Registration hooks receive a ``register(name, obj, *, override=False)`` callable. Miles records which
+plugin (and which distribution version) registered each name. Two plugins registering the same name
+of the same kind is an error; a plugin replaces a builtin only with ``override=True``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pluggy
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from miles.types import Group
+
+__all__ = ["hookspec", "Register"]
+
+hookspec = pluggy.HookspecMarker("miles")
+
+
+class Register(Protocol):
+    def __call__(self, name: str, obj: Any, *, override: bool = False) -> None: ...
+
+
+# -------------------------------------------------------------------------------------------------
+# Registration: the components a config can select by name
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_rewards(register: Register) -> None:
+    """Register reward functions, selected with ``reward.name``.
+
+    A reward is ``fn(sample, **args) -> float | dict`` (a dict must hold a ``"score"`` entry), or an
+    ``async def`` of the same shape, or a batched ``fn(samples, **args) -> list`` marked with
+    :func:`miles.batched`. A class is accepted too: it is constructed with the config arguments and
+    its instances are called like the function. The config node's other keys are passed as ``args``.
+    A reward that raises or returns a non-finite value fails that sample with the reason recorded.
+    """
+
+
+@hookspec
+def miles_register_advantages(register: Register) -> None:
+    """Register advantage estimators, selected with ``advantage.name``.
+
+    An estimator is ``fn(batch: TrainBatch, **args) -> Tensor[B, L-1]``: one advantage per
+    target-aligned token (only positions where ``batch.loss_mask`` is 1 are used).
+    """
+
+
+@hookspec
+def miles_register_losses(register: Register) -> None:
+    """Register policy losses, selected with ``loss.name`` (and ``sft.loss.name`` for SFT).
+
+    A loss is ``fn(inputs: LossInputs, **args) -> (loss, metrics)`` where ``loss`` is a scalar tensor
+    already divided by ``inputs.token_normalizer`` (so micro-batch losses add up to the batch loss)
+    and ``metrics`` maps names to floats summed the same way.
+    """
+
+
+@hookspec
+def miles_register_data_selectors(register: Register) -> None:
+    """Register data selectors (filters), listed in order under ``selection``.
+
+    A selector is ``fn(groups: list[Group], **args) -> list[Group]``: it returns the groups to keep.
+    """
+
+
+@hookspec
+def miles_register_rollout_fns(register: Register) -> None:
+    """Register rollout functions, selected with ``rollout.fn.name``.
+
+    A rollout function is ``async fn(sample: Sample, ctx: RolloutContext, **args) -> Sample``: it
+    fills ``response_ids``, ``loss_mask``, ``rollout_logprobs``, ``status`` and ``weight_versions``
+    by calling ``ctx.engine.generate`` (one or more turns). Exceptions fail that sample only.
+    """
+
+
+@hookspec
+def miles_register_rollout_engines(register: Register) -> None:
+    """Register rollout engines, selected with ``rollout.engine.name``.
+
+    The registered factory is called with the node's arguments and returns an object with
+    ``load_model(path)``, ``async generate(input_ids, sampling_params, return_logprob)`` returning an
+    SGLang-shaped answer (``output_ids`` and ``meta_info``), ``update_weights(state_dict)`` and
+    ``weight_version``.
+    """
+
+
+@hookspec
+def miles_register_envs(register: Register) -> None:
+    """Register environments (multi-turn tasks with tools), selected by name in rollout configs."""
+
+
+@hookspec
+def miles_register_sandboxes(register: Register) -> None:
+    """Register code sandboxes (where tool calls and generated code run), selected by name."""
+
+
+@hookspec
+def miles_register_backends(register: Register) -> None:
+    """Register training backends, selected with ``backend.name``.
+
+    The factory is called with the node's arguments and returns a :class:`miles.train.TrainBackend`.
+    """
+
+
+@hookspec
+def miles_register_weight_transports(register: Register) -> None:
+    """Register weight transports, selected with ``rollout.weight_sync.name``.
+
+    The factory is called with the node's arguments and returns an object whose
+    ``push(backend, engines) -> int`` sends the backend's current weights to every engine and returns
+    the number of bytes moved.
+    """
+
+
+@hookspec
+def miles_register_loggers(register: Register) -> None:
+    """Register metric loggers, listed under ``run.loggers``.
+
+    The factory is called with the node's arguments and returns an object with
+    ``start(run_dir, config)``, ``log(step, metrics)`` and ``close()``.
+    """
+
+
+@hookspec
+def miles_register_data_generators(register: Register) -> None:
+    """Register synthetic data generators, selected with ``data.generator.name``.
+
+    A generator is ``fn(seed, **args) -> dict[str, list[dict]]`` mapping split names (``"train"``,
+    ``"eval"``) to rows; Miles writes them as JSONL under the run directory and reads them back
+    through the ordinary data path.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# Lifecycle: observe and adjust a run
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_configure(config: DictConfig) -> None:
+    """Called once the config is loaded and validated, before anything is built.
+
+    Implementations may read the config and change values in place (they are validated again).
+    """
+
+
+@hookspec
+def miles_run_start(run_dir: str, config: DictConfig, plugins: list[dict]) -> None:
+    """Called when a run starts, after the run header (config and plugin stack) is written."""
+
+
+@hookspec
+def miles_rollout_end(step: int, groups: list[Group]) -> None:
+    """Called after each step's rollouts are rewarded and selected, before training on them."""
+
+
+@hookspec
+def miles_train_step_end(step: int, metrics: dict[str, float]) -> None:
+    """Called after each training step (and its weight sync) with that step's metrics.
+
+    Implementations may add entries to ``metrics``; loggers see them.
+    """
+
+
+@hookspec
+def miles_checkpoint_save(path: str, step: int) -> None:
+    """Called after a model checkpoint has been written to ``path`` (atomically)."""
+
+
+@hookspec
+def miles_run_end(run_dir: str, summary: dict[str, Any]) -> None:
+    """Called when a run finishes, with the summary that is printed and saved."""

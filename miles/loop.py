@@ -1,0 +1,139 @@
+"""The core loop: one RL step, one SFT step, one evaluation. Every stage goes through its plugin.
+
+The components (engine, backend, reward ...) are assembled by :mod:`miles.runner`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from statistics import fmean
+from typing import Any, Callable
+
+from miles.errors import RunError
+from miles.rollout.context import RolloutContext
+from miles.rollout.data_source import Prompt, PromptSource
+from miles.rollout.generate import make_groups, run_rollouts
+from miles.rollout.reward import score_samples
+from miles.types import Group, Sample, SampleStatus, TrainBatch
+
+__all__ = ["Components", "rl_step", "sft_step", "evaluate"]
+
+
+@dataclass
+class Components:
+    """Everything a step needs, built from the config by the runner."""
+
+    pm: Any
+    train_data: PromptSource
+    rollout_fn: Callable
+    rollout_ctx: RolloutContext
+    engines: list[Any]
+    reward_fn: Callable
+    selectors: list[Callable]
+    advantage_fn: Callable
+    loss_fn: Callable
+    backend: Any
+    transport: Any
+    pad_token_id: int
+    prompts_per_step: int
+    n_samples: int
+    max_failed_frac: float
+
+
+def _check_failures(step: int, samples: list[Sample], max_failed_frac: float) -> int:
+    failed = [s for s in samples if s.status is SampleStatus.FAILED]
+    if samples and len(failed) / len(samples) > max_failed_frac:
+        reasons = sorted({s.reason for s in failed})
+        raise RunError(
+            f"step {step}: {len(failed)} of {len(samples)} samples failed "
+            f"({len(failed) / len(samples):.0%}), above run.max_failed_frac={max_failed_frac}. "
+            f"Reasons: {'; '.join(reasons[:3])}"
+        )
+    return len(failed)
+
+
+def rl_step(c: Components, step: int) -> dict[str, float]:
+    start = time.perf_counter()
+    prompts = c.train_data.next(c.prompts_per_step)
+    groups = make_groups(prompts, c.n_samples, first_group_index=step * c.prompts_per_step)
+    samples = [s for g in groups for s in g.samples]
+    run_rollouts(groups, c.rollout_fn, c.rollout_ctx)
+    score_samples(samples, c.reward_fn)
+    rollout_s = time.perf_counter() - start
+    failed = _check_failures(step, samples, c.max_failed_frac)
+
+    kept: list[Group] = groups
+    for selector in c.selectors:
+        kept = selector(kept)
+    c.pm.hook.miles_rollout_end(step=step, groups=kept)
+
+    rewarded = [s for s in samples if s.trainable]
+    response_tokens = sum(len(s.response_ids) for s in samples)
+    metrics: dict[str, float] = {
+        "reward/mean": fmean(s.scalar_reward for s in rewarded) if rewarded else float("nan"),
+        "response/length_mean": fmean(len(s.response_ids) for s in samples),
+        "rollout/truncated_frac": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
+        "samples/total": len(samples),
+        "samples/failed": failed,
+        "selection/groups_removed": len(groups) - len(kept),
+        "time/rollout_s": rollout_s,
+        "rollout/tokens_per_s": response_tokens / rollout_s if rollout_s > 0 else 0.0,
+    }
+
+    train_samples = [s for g in kept for s in g.trainable_samples]
+    train_s = sync_s = 0.0
+    if train_samples:
+        train_start = time.perf_counter()
+        batch = TrainBatch.from_samples(train_samples, c.pad_token_id)
+        batch.advantages = c.advantage_fn(batch)
+        metrics.update(c.backend.train_step(batch, c.loss_fn))
+        train_s = time.perf_counter() - train_start
+        sync_start = time.perf_counter()
+        c.transport.push(c.backend, c.engines)
+        sync_s = time.perf_counter() - sync_start
+        metrics["train/tokens_per_s"] = int(batch.attention_mask.sum()) / train_s
+    else:
+        metrics["train/tokens_per_s"] = 0.0
+    metrics["train/samples"] = len(train_samples)
+    metrics["time/train_s"] = train_s
+    metrics["time/weight_sync_s"] = sync_s
+    metrics["weight_version"] = c.engines[0].weight_version
+    metrics["time/step_s"] = time.perf_counter() - start
+    return metrics
+
+
+def sft_samples(prompts: list[Prompt], tokenizer: Any) -> list[Sample]:
+    """Prompt/label pairs as samples whose response is the label followed by EOS."""
+    samples = []
+    for prompt in prompts:
+        sample = Sample(prompt_ids=list(prompt.prompt_ids), prompt=prompt.prompt, label=prompt.label, reward=0.0)
+        label_ids = tokenizer(str(prompt.label), add_special_tokens=False)["input_ids"]
+        sample.append([*label_ids, tokenizer.eos_token_id], None, from_policy=True)
+        sample.status = SampleStatus.COMPLETED
+        samples.append(sample)
+    return samples
+
+
+def sft_step(data: PromptSource, tokenizer: Any, batch_size: int, backend: Any, loss_fn: Callable, pad_token_id: int) -> dict[str, float]:
+    start = time.perf_counter()
+    batch = TrainBatch.from_samples(sft_samples(data.next(batch_size), tokenizer), pad_token_id)
+    metrics = backend.train_step(batch, loss_fn)
+    metrics["time/step_s"] = time.perf_counter() - start
+    return metrics
+
+
+def evaluate(prompts: list[Prompt], rollout_fn: Callable, ctx: RolloutContext, reward_fn: Callable, pass_reward: float) -> dict[str, float]:
+    """Greedy decoding on held-out prompts; failed samples count as unsolved."""
+    if not prompts:
+        return {}
+    groups = make_groups(prompts, 1)
+    samples = [g.samples[0] for g in groups]
+    run_rollouts(groups, rollout_fn, ctx)
+    score_samples(samples, reward_fn)
+    rewards = [s.scalar_reward if s.trainable else 0.0 for s in samples]
+    return {
+        "eval/reward_mean": fmean(rewards),
+        "eval/accuracy": fmean(r >= pass_reward for r in rewards),
+        "eval/failed": sum(not s.trainable for s in samples),
+    }

@@ -1,0 +1,113 @@
+"""Models and tokenizers without downloads: load an HF-format directory, or build a small one.
+
+Built models are random-init ``transformers`` models saved with safetensors, so that
+``AutoModelForCausalLM.from_pretrained`` loads them like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from miles.errors import ConfigError
+
+__all__ = ["build_char_tokenizer", "build_model_dir", "load_model", "load_tokenizer", "save_pretrained"]
+
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+
+
+def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerBase:
+    """A tokenizer with one token per character of ``alphabet`` plus ``<pad>``, ``<eos>``, ``<unk>``."""
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(alphabet))  # unique, order kept
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *chars])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def _qwen3_config(vocab_size: int, tokenizer: PreTrainedTokenizerBase, build) -> object:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=build.hidden_size,
+        num_hidden_layers=build.num_layers,
+        num_attention_heads=build.num_heads,
+        num_key_value_heads=build.num_kv_heads,
+        head_dim=build.head_dim,
+        intermediate_size=build.intermediate_size,
+        max_position_embeddings=build.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+
+
+_ARCHS = {"qwen3": _qwen3_config}
+
+
+def build_model_dir(build, tokenizer_cfg, out_dir: str | Path, seed: int) -> Path:
+    """Build a random-init model and a char tokenizer from config sections and save them."""
+    if build.arch not in _ARCHS:
+        raise ConfigError(f"model.build.arch: unknown architecture {build.arch!r}; known: {', '.join(_ARCHS)}")
+    tokenizer = build_char_tokenizer(tokenizer_cfg.alphabet)
+    config = _qwen3_config(len(tokenizer), tokenizer, build)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    save_pretrained(model, tokenizer, out_dir)
+    return Path(out_dir)
+
+
+def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path) -> None:
+    """Save in HF format (safetensors) atomically: written beside, then renamed into place."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path {str(path)!r} is not an HF model directory (no config.json there)")
+    return path
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(_check_dir(path), dtype=dtype)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(_check_dir(path))

@@ -1,0 +1,244 @@
+"""Named components per kind, with provenance.
+
+The registry is filled by calling every plugin's registration hooks with a ``register`` callable
+bound to that plugin, so each name records the plugin and distribution version that gave it.
+A config node ``{name: ..., **args}`` is turned into a component by :meth:`Registry.build`; anywhere a
+name is accepted, an import path ``package.module:attr`` is accepted too.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import inspect
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from miles.errors import ConfigError, PluginError
+from miles.plugins import PluginInfo, PluginManager
+
+__all__ = ["KINDS", "Kind", "Entry", "Registry", "batched"]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of component.
+
+    ``call_params`` is the number of leading arguments a *function* component receives when it is
+    used (a reward gets the sample); its config arguments bind to the parameters after those. Kinds
+    with ``call_params=None`` are factories: the registered callable is called with the config
+    arguments alone and returns the component.
+    """
+
+    name: str  # singular, as used in messages: "reward"
+    hook: str
+    call_params: int | None
+
+    @property
+    def plural(self) -> str:
+        return self.name + "s"
+
+
+KINDS: dict[str, Kind] = {
+    kind.name: kind
+    for kind in (
+        Kind("reward", "miles_register_rewards", 1),
+        Kind("advantage", "miles_register_advantages", 1),
+        Kind("loss", "miles_register_losses", 1),
+        Kind("data_selector", "miles_register_data_selectors", 1),
+        Kind("rollout_fn", "miles_register_rollout_fns", 2),
+        Kind("data_generator", "miles_register_data_generators", 1),
+        Kind("rollout_engine", "miles_register_rollout_engines", None),
+        Kind("env", "miles_register_envs", None),
+        Kind("sandbox", "miles_register_sandboxes", None),
+        Kind("backend", "miles_register_backends", None),
+        Kind("weight_transport", "miles_register_weight_transports", None),
+        Kind("logger", "miles_register_loggers", None),
+    )
+}
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+
+
+def batched(fn: Callable) -> Callable:
+    """Mark a reward function as batched: it takes a list of samples and returns a list."""
+    fn.miles_batched = True  # type: ignore[attr-defined]
+    return fn
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str
+    name: str
+    obj: Any
+    plugin: PluginInfo
+
+    @property
+    def builtin(self) -> bool:
+        return self.plugin.builtin
+
+
+_IMPORT_PATH = PluginInfo("import path", "", "", "", builtin=False)
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._entries: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
+
+    @classmethod
+    def from_plugin_manager(cls, pm: PluginManager) -> "Registry":
+        registry = cls()
+        for kind in KINDS.values():
+            impls = getattr(pm.hook, kind.hook).get_hookimpls()
+            # Builtins first, so that an explicit override from a plugin comes after what it replaces.
+            for impl in sorted(impls, key=lambda impl: not pm.info[impl.plugin_name].builtin):
+                info = pm.info[impl.plugin_name]
+                register = functools.partial(registry.add, kind.name, plugin=info)
+                kwargs = {"register": register}
+                impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+        return registry
+
+    def add(self, kind: str, name: str, obj: Any, *, plugin: PluginInfo = _IMPORT_PATH, override: bool = False) -> None:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise PluginError(
+                f"plugin {plugin.name!r} registered a {kind} named {name!r}; names are letters, digits, "
+                f"'_', '.' and '-', starting with a letter or '_'"
+            )
+        if not callable(obj):
+            raise PluginError(
+                f"plugin {plugin.name!r} registered {kind} {name!r} as a {type(obj).__name__}; "
+                f"expected a function or a class"
+            )
+        existing = self._entries[kind].get(name)
+        if existing is not None:
+            if not (existing.builtin and override):
+                hint = (
+                    f"; to replace the builtin, register it with override=True"
+                    if existing.builtin
+                    else "; uninstall one of them or leave one out with run.plugins.allow"
+                )
+                raise PluginError(
+                    f"{kind} {name!r} is registered twice: by plugin {existing.plugin.name!r} "
+                    f"({existing.plugin.distribution} {existing.plugin.version}) and by plugin "
+                    f"{plugin.name!r} ({plugin.distribution} {plugin.version}){hint}"
+                )
+        self._entries[kind][name] = Entry(kind, name, obj, plugin)
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._entries[kind])
+
+    def entries(self, kind: str) -> list[Entry]:
+        return [self._entries[kind][name] for name in self.names(kind)]
+
+    def get(self, kind: str, name: str, *, where: str | None = None) -> Entry:
+        """The entry for ``name`` (or an import path), else a ConfigError listing what exists."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where or kind}: expected the name of a {kind}, got {name!r}")
+        if ":" in name:
+            return Entry(kind, name, _import_path(name, kind, where), _IMPORT_PATH)
+        entry = self._entries[kind].get(name)
+        if entry is None:
+            known = self.names(kind)
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"unknown {kind} {name!r}{f' (at {where})' if where else ''}. Registered "
+                f"{KINDS[kind].plural}: {', '.join(known) or 'none'}{hint} An import path "
+                f"'package.module:attr' is accepted too."
+            )
+        return entry
+
+    # -- building components from config nodes ------------------------------------------------------
+
+    def check(self, kind: str, node: Mapping[str, Any], where: str) -> list[str]:
+        """Every problem with a component node, as messages (empty when it is fine)."""
+        args = dict(node)
+        name = args.pop("name", None)
+        if name is None:
+            return [f"{where}: missing 'name' (the {kind} to use); registered: {', '.join(self.names(kind))}"]
+        try:
+            entry = self.get(kind, name, where=f"{where}.name")
+        except ConfigError as exc:
+            return [str(exc)]
+        return [f"{where}.{problem}" for problem in _check_args(entry, KINDS[kind], args)]
+
+    def build(self, kind: str, node: Mapping[str, Any], where: str) -> Any:
+        """The component for a node ``{name, **args}``, after checking its arguments."""
+        problems = self.check(kind, node, where)
+        if problems:
+            raise ConfigError("\n".join(problems))
+        args = {key: value for key, value in node.items() if key != "name"}
+        obj = self.get(kind, node["name"]).obj
+        call_params = KINDS[kind].call_params
+        try:
+            if inspect.isclass(obj) or call_params is None:
+                return obj(**args)
+            if not args:
+                return obj
+            bound = functools.partial(obj, **args)
+            functools.update_wrapper(bound, obj)
+            return bound
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: {kind} {node['name']!r} rejected its arguments: {exc}") from exc
+
+
+def _import_path(path: str, kind: str, where: str | None) -> Any:
+    module_name, _, attr = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:
+        raise ConfigError(
+            f"{where or kind}: cannot import {kind} {path!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not callable(obj):
+        raise ConfigError(f"{where or kind}: {path!r} is a {type(obj).__name__}, expected a function or class")
+    return obj
+
+
+_TYPES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _type_problem(value: Any, annotation: Any) -> str | None:
+    if isinstance(annotation, str):  # postponed annotations: only the simple ones are checked
+        annotation = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation)
+    if annotation not in _TYPES or value is None:
+        return None
+    ok = isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    return None if ok else f"expects {_TYPES[annotation]}, got {value!r}"
+
+
+def _check_args(entry: Entry, kind: Kind, args: dict[str, Any]) -> list[str]:
+    obj = entry.obj
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return []  # builtins and C callables cannot be inspected; they fail at call time instead
+    params = list(signature.parameters.values())
+    if not inspect.isclass(obj) and kind.call_params:
+        params = params[kind.call_params :]
+    accepts_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    problems = []
+    for key, value in args.items():
+        if key in named:
+            problem = _type_problem(value, named[key].annotation)
+            if problem:
+                problems.append(f"{key}: {kind.name} {entry.name!r} {problem}")
+        elif not accepts_any:
+            close = difflib.get_close_matches(key, named, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(
+                f"{key}: {kind.name} {entry.name!r} takes no argument {key!r}; it accepts: "
+                f"{', '.join(named) or 'no arguments'}{hint}"
+            )
+    for name, param in named.items():
+        if param.default is param.empty and name not in args:
+            problems.append(f"{name}: {kind.name} {entry.name!r} requires argument {name!r}")
+    return problems

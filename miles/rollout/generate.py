@@ -1,0 +1,49 @@
+"""Running a rollout function over every sample of a step, concurrently."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from miles.rollout.context import RolloutContext
+from miles.rollout.data_source import Prompt
+from miles.types import Group, Sample, SampleStatus
+
+__all__ = ["make_groups", "run_rollouts"]
+
+
+def make_groups(prompts: list[Prompt], n_samples: int, first_group_index: int = 0) -> list[Group]:
+    return [
+        Group(
+            index=first_group_index + g,
+            samples=[
+                Sample(
+                    prompt_ids=list(p.prompt_ids), group_index=first_group_index + g, index=i,
+                    prompt=p.prompt, label=p.label, metadata={"row": p.index},
+                )
+                for i in range(n_samples)
+            ],
+        )
+        for g, p in enumerate(prompts)
+    ]
+
+
+async def _run_one(rollout_fn: Callable, sample: Sample, ctx: RolloutContext) -> None:
+    try:
+        result = await rollout_fn(sample, ctx)
+    except Exception as exc:  # one sample fails, the step goes on
+        sample.fail(f"rollout: {type(exc).__name__}: {exc}")
+        return
+    if result is not sample:
+        sample.fail(f"rollout: the rollout function returned {type(result).__name__}, expected the sample it was given")
+    elif sample.status is SampleStatus.PENDING:
+        sample.fail("rollout: the rollout function left the sample pending")
+
+
+def run_rollouts(groups: list[Group], rollout_fn: Callable, ctx: RolloutContext) -> None:
+    """Fill every sample of ``groups`` in place; failures are recorded on the samples."""
+
+    async def _all() -> None:
+        await asyncio.gather(*(_run_one(rollout_fn, s, ctx) for g in groups for s in g.samples))
+
+    asyncio.run(_all())

@@ -1,0 +1,75 @@
+"""The builtin single-process torch backend: AdamW, gradient clipping, micro-batches."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from miles.models import load_model, save_pretrained
+from miles.train.backend import LossFn
+from miles.train.logprobs import token_logprobs
+from miles.types import LossInputs, TrainBatch
+
+__all__ = ["TorchBackend"]
+
+
+class TorchBackend:
+    """Registered as backend ``torch``."""
+
+    def __init__(
+        self,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        max_grad_norm: float = 1.0,
+        micro_batch_size: int = 256,
+    ) -> None:
+        if lr <= 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.betas = (beta1, beta2)
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_size = micro_batch_size
+        self.model: Any = None
+
+    def setup(self, model_path: str, *, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.model = load_model(model_path).train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
+        )
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        normalizer = float(max(batch.num_tokens, 1))
+        totals: dict[str, float] = defaultdict(float)
+        for start in range(0, len(batch), self.micro_batch_size):
+            micro = batch.select(slice(start, start + self.micro_batch_size))
+            logprobs = token_logprobs(self.model, micro.input_ids)
+            inputs = LossInputs(logprobs, micro.rollout_logprobs, micro.advantages, micro.loss_mask, normalizer, micro)
+            loss, metrics = loss_fn(inputs)
+            loss.backward()
+            totals["train/loss"] += float(loss.detach())
+            for key, value in metrics.items():
+                totals[key] += float(value)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        totals["train/grad_norm"] = float(grad_norm)
+        totals["train/lr"] = self.lr
+        return dict(totals)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+
+    def save_pretrained(self, path: str, tokenizer: Any = None) -> None:
+        save_pretrained(self.model, tokenizer, path)
+
+    def shutdown(self) -> None:
+        self.model = None
+        self.optimizer = None

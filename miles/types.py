@@ -1,0 +1,183 @@
+"""The data that flows between the stages of the loop.
+
+A :class:`Sample` is one trajectory, token-exact: nothing downstream of the rollout engine ever
+detokenizes and retokenizes what the policy produced. A :class:`Group` holds the samples of one
+prompt. A :class:`TrainBatch` is the padded tensor form the training backend consumes.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["SampleStatus", "Sample", "Group", "TrainBatch", "LossInputs", "Reward"]
+
+Reward = float | dict[str, float]
+
+
+class SampleStatus(str, enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"  # hit max_new_tokens or the context length
+    ABORTED = "aborted"  # stopped by the system (e.g. a weight update); may be continued
+    FAILED = "failed"  # rollout, environment or reward error; never trained on
+
+
+@dataclass
+class Sample:
+    """One trajectory.
+
+    ``response_ids`` holds every token after the prompt, tool observations included;
+    ``loss_mask[i]`` is 1 where the policy produced ``response_ids[i]`` and 0 for observations;
+    ``rollout_logprobs[i]`` is the engine's log-prob of ``response_ids[i]`` (0.0 where masked).
+    """
+
+    prompt_ids: list[int]
+    group_index: int = 0
+    index: int = 0  # position inside its group
+    prompt: Any = None  # the prompt as it came from the data (text or messages)
+    label: Any = None
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    response_text: str = ""
+    reward: Reward | None = None
+    status: SampleStatus = SampleStatus.PENDING
+    reason: str = ""  # why it is truncated, aborted or failed
+    weight_versions: list[int] = field(default_factory=list)
+    turns: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def trainable(self) -> bool:
+        return self.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+
+    @property
+    def scalar_reward(self) -> float:
+        """The reward as one number: a dict reward contributes its ``"score"`` entry."""
+        if self.reward is None:
+            raise ValueError(f"sample {self.group_index}/{self.index} has no reward yet")
+        if isinstance(self.reward, dict):
+            return float(self.reward["score"])
+        return float(self.reward)
+
+    def fail(self, reason: str) -> None:
+        self.status = SampleStatus.FAILED
+        self.reason = reason
+
+    def append(self, token_ids: list[int], logprobs: list[float] | None, *, from_policy: bool) -> None:
+        """Append tokens to the response, keeping mask and log-probs aligned."""
+        self.response_ids.extend(token_ids)
+        self.loss_mask.extend([int(from_policy)] * len(token_ids))
+        if logprobs is None:
+            logprobs = [0.0] * len(token_ids)
+        if len(logprobs) != len(token_ids):
+            raise ValueError(f"{len(logprobs)} log-probs for {len(token_ids)} tokens")
+        self.rollout_logprobs.extend(logprobs)
+
+
+@dataclass
+class Group:
+    """The ``n`` samples drawn for one prompt."""
+
+    index: int
+    samples: list[Sample]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.scalar_reward for s in self.samples if s.trainable]
+
+    @property
+    def trainable_samples(self) -> list[Sample]:
+        return [s for s in self.samples if s.trainable]
+
+
+@dataclass
+class TrainBatch:
+    """Padded tensors for ``B`` sequences of at most ``L`` tokens (prompt + response).
+
+    Per-token tensors are *target-aligned* (``L - 1`` wide): column ``t`` describes token ``t + 1``
+    of ``input_ids``, which the model predicts from the logits at position ``t``.
+    """
+
+    input_ids: torch.Tensor  # [B, L] long, right-padded
+    attention_mask: torch.Tensor  # [B, L] long
+    loss_mask: torch.Tensor  # [B, L-1] float, 1 where the policy produced the target token
+    rollout_logprobs: torch.Tensor  # [B, L-1] float, engine log-probs of target tokens
+    rewards: torch.Tensor  # [B] float
+    group_index: torch.Tensor  # [B] long
+    advantages: torch.Tensor | None = None  # [B, L-1] float, filled by the advantage estimator
+    samples: list[Sample] = field(default_factory=list, repr=False)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens that count in the loss."""
+        return int(self.loss_mask.sum().item())
+
+    def select(self, rows: slice | torch.Tensor | list[int]) -> "TrainBatch":
+        """A view of some rows (for micro-batches); trailing all-padding columns are trimmed."""
+        if isinstance(rows, slice):
+            samples = self.samples[rows]
+        else:
+            samples = [self.samples[i] for i in (rows.tolist() if torch.is_tensor(rows) else rows)]
+        attention_mask = self.attention_mask[rows]
+        width = int(attention_mask.sum(dim=1).max().item()) if len(attention_mask) else 0
+        width = max(width, 2)
+        return TrainBatch(
+            input_ids=self.input_ids[rows, :width],
+            attention_mask=attention_mask[:, :width],
+            loss_mask=self.loss_mask[rows, : width - 1],
+            rollout_logprobs=self.rollout_logprobs[rows, : width - 1],
+            rewards=self.rewards[rows],
+            group_index=self.group_index[rows],
+            advantages=None if self.advantages is None else self.advantages[rows, : width - 1],
+            samples=samples,
+        )
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample], pad_token_id: int) -> "TrainBatch":
+        if not samples:
+            raise ValueError("cannot build a TrainBatch from no samples")
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        batch_size, width = len(samples), max(max(lengths), 2)
+        input_ids = torch.full((batch_size, width), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
+        loss_mask = torch.zeros((batch_size, width - 1))
+        logprobs = torch.zeros((batch_size, width - 1))
+        for row, (sample, length) in enumerate(zip(samples, lengths)):
+            n_prompt, n_response = len(sample.prompt_ids), len(sample.response_ids)
+            input_ids[row, :length] = torch.tensor(sample.prompt_ids + sample.response_ids)
+            attention_mask[row, :length] = 1
+            if n_response:
+                # Response token i sits at position n_prompt + i and is predicted at column n_prompt + i - 1.
+                loss_mask[row, n_prompt - 1 : length - 1] = torch.tensor(sample.loss_mask, dtype=torch.float)
+                logprobs[row, n_prompt - 1 : length - 1] = torch.tensor(sample.rollout_logprobs)
+        rewards = [s.scalar_reward if s.reward is not None else math.nan for s in samples]
+        return cls(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            loss_mask=loss_mask,
+            rollout_logprobs=logprobs,
+            rewards=torch.tensor(rewards, dtype=torch.float),
+            group_index=torch.tensor([s.group_index for s in samples], dtype=torch.long),
+            samples=samples,
+        )
+
+
+@dataclass
+class LossInputs:
+    """What a loss function receives for one micro-batch (all per-token tensors ``[b, L-1]``)."""
+
+    logprobs: torch.Tensor  # current policy, with grad
+    old_logprobs: torch.Tensor  # the policy that sampled the tokens
+    advantages: torch.Tensor | None  # None where no estimator ran (SFT)
+    loss_mask: torch.Tensor
+    token_normalizer: float  # loss-mask tokens in the whole batch: divide sums by it
+    batch: TrainBatch

@@ -114,6 +114,8 @@ def train(p: Prepared) -> dict[str, Any]:
     run_dir = Path(run_cfg.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
+    if run_cfg.torch_threads > 0:
+        torch.set_num_threads(run_cfg.torch_threads)
     times: dict[str, float] = {}
     started = time.perf_counter()
 

@@ -95,6 +95,7 @@ class RunConfig:
     eval_pass_reward: float = 1.0  # a held-out prompt counts as solved at this reward or above
     max_failed_frac: float = 0.5  # stop the run when more of a step's samples fail
     progress: bool = True
+    torch_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     loggers: Any = field(default_factory=lambda: [{"name": "jsonl"}])
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
 

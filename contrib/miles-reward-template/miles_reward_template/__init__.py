@@ -1,0 +1,1 @@
+"""A Miles reward plugin to copy."""

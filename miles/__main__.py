@@ -1,0 +1,5 @@
+import sys
+
+from miles.cli import main
+
+sys.exit(main())

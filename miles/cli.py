@@ -1,0 +1,86 @@
+"""The ``miles`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from miles import __version__
+from miles.errors import MilesError
+
+__all__ = ["main"]
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from miles.runner import prepare, train
+
+    train(prepare(args.config, args.overrides))
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from miles.runner import prepare
+
+    print(OmegaConf.to_yaml(prepare(args.config, args.overrides).config), end="")
+    return 0
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from miles.plugins import build_plugin_manager
+    from miles.registry import Registry
+    from miles.runner import plugin_stack
+
+    pm = build_plugin_manager()
+    stack = plugin_stack(pm, Registry.from_plugin_manager(pm))
+    if args.json:
+        print(json.dumps(stack, indent=1))
+        return 0
+    rows = [("plugin", "version", "module", "registered")]
+    for plugin in stack:
+        registered = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in plugin["registered"].items())
+        rows.append((plugin["name"], plugin["version"], plugin["module"], registered or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="miles", description="RL post-training of language models.")
+    parser.add_argument("--version", action="version", version=f"miles {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run SFT warm-up (if configured) and RL training from a YAML config")
+    train.add_argument("config", help="YAML config file, e.g. configs/quickstart.yaml")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.steps=50 reward.name=my_reward")
+    train.set_defaults(func=_cmd_train)
+
+    config = sub.add_parser("config", help="print the resolved config (defaults, file, overrides) after validation")
+    config.add_argument("config")
+    config.add_argument("overrides", nargs="*")
+    config.set_defaults(func=_cmd_config)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins and what each registered")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    plugins.set_defaults(func=_cmd_plugins)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MilesError as exc:
+        print(f"miles: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("miles: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The in-process engine: log-prob fidelity, sampling controls, stop rules, weight updates."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles.engine import LocalEngine
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    engine = LocalEngine(seed=1)
+    engine.load_model(str(tiny_model_dir))
+    return engine
+
+
+def generate_many(engine, prompts, params):
+    async def go():
+        return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+    return asyncio.run(go())
+
+
+def test_answer_has_sglang_shape(engine):
+    [answer] = generate_many(engine, [[4, 5]], {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True})
+    meta = answer["meta_info"]
+    assert len(answer["output_ids"]) == 3 == meta["completion_tokens"]
+    assert meta["finish_reason"] == {"type": "length", "length": 3}
+    assert [tok for _, tok, _ in meta["output_token_logprobs"]] == answer["output_ids"]
+    assert meta["weight_version"] == 0 and meta["prompt_tokens"] == 2
+    assert isinstance(answer["text"], str)
+
+
+def test_logprobs_match_a_transformers_forward(engine, tiny_model_dir):
+    prompts = [[4, 13, 5, 14], [7, 13], [3, 13, 9, 14, 2, 2]]  # different lengths: left padding is exercised
+    answers = generate_many(engine, prompts, {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True})
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for prompt, answer in zip(prompts, answers):
+        ids = torch.tensor([prompt + answer["output_ids"]])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(reference(ids).logits[0, :-1].float(), -1)
+        expected = logprobs[len(prompt) - 1 :].gather(1, ids[0, len(prompt) :, None]).squeeze(1)
+        got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, expected, atol=1e-4), (got, expected)
+
+
+def test_concurrent_requests_are_batched_and_independent(engine):
+    calls = []
+    original = engine.generate_batch
+    engine.generate_batch = lambda prompts, params: calls.append(len(prompts)) or original(prompts, params)
+    params = {"max_new_tokens": 4, "temperature": 0.0}
+    answers = generate_many(engine, [[4, 13, 5, 14]] * 5 + [[7, 13, 2, 14]], params)
+    assert calls == [6]
+    single = generate_many(engine, [[7, 13, 2, 14]], params)[0]
+    assert answers[-1]["output_ids"] == single["output_ids"]  # padding does not change greedy results
+    assert all(a["output_ids"] == answers[0]["output_ids"] for a in answers[:5])
+
+
+def test_stop_tokens_and_eos(engine):
+    greedy = generate_many(engine, [[4, 13, 5, 14]], {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})[0]
+    first = greedy["output_ids"][0]
+    stopped = generate_many(engine, [[4, 13, 5, 14]], {"max_new_tokens": 8, "temperature": 0.0, "stop_token_ids": [first]})[0]
+    assert stopped["output_ids"] == [first]  # the matched stop token is part of the output
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+
+
+def test_top_k_one_is_greedy(engine):
+    prompt = [[4, 13, 5, 14]]
+    greedy = generate_many(engine, prompt, {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True})[0]
+    top1 = generate_many(engine, prompt, {"max_new_tokens": 5, "temperature": 1.0, "top_k": 1, "ignore_eos": True})[0]
+    assert greedy["output_ids"] == top1["output_ids"]
+
+
+def test_bad_requests_name_the_field(engine):
+    with pytest.raises(ValueError, match="unknown parameter.*'temprature'"):
+        generate_many(engine, [[4]], {"temprature": 1.0})
+    with pytest.raises(ValueError, match="max_new_tokens: expected an integer >= 0, got -1"):
+        generate_many(engine, [[4]], {"max_new_tokens": -1})
+    with pytest.raises(ValueError, match="does not fit the context"):
+        generate_many(engine, [[4] * 500], {})
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        generate_many(engine, [[4, 10_000]], {})
+
+
+def test_weight_update_changes_outputs_and_version(engine, tiny_model_dir):
+    params = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    before = generate_many(engine, [[4, 13, 5, 14]], params)[0]
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p))
+    assert engine.update_weights(other.state_dict()) == 1
+    after = generate_many(engine, [[4, 13, 5, 14]], params)[0]
+    assert after["meta_info"]["weight_version"] == 1
+    assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+
+
+def test_mismatched_weight_update_is_refused_whole(engine):
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    bad = {k: v + 1 for k, v in state.items()}
+    name = next(iter(bad))
+    bad[name] = torch.zeros(3)
+    with pytest.raises(ValueError, match="weight update refused"):
+        engine.update_weights(bad)
+    assert engine.weight_version == 0
+    assert all(torch.equal(v, state[k]) for k, v in engine.model.state_dict().items())

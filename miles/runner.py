@@ -97,9 +97,11 @@ def _summary_text(summary: dict[str, Any]) -> str:
             f"{summary['reward_start']:.3f} -> {summary['reward_end']:.3f}"
         )
     if "eval_start" in summary:
+        start, end = summary["eval_start"], summary["eval_end"]
         lines.append(
-            f"  held-out accuracy (greedy, {summary['eval_prompts']} prompts): "
-            f"{summary['eval_start']['eval/accuracy']:.3f} -> {summary['eval_end']['eval/accuracy']:.3f}"
+            f"  greedy accuracy on {summary['eval_prompts']} held-out prompts: "
+            f"{start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f}; on {summary['eval_train_prompts']} "
+            f"training prompts: {start['eval/accuracy_train']:.3f} -> {end['eval/accuracy_train']:.3f}"
         )
     lines.append("  time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary["time_s"].items()))
     lines.append(f"  final model: {summary['final_model']}")
@@ -197,15 +199,20 @@ def train(p: Prepared) -> dict[str, Any]:
             eval_ctx = RolloutContext(engine=engine, tokenizer=tokenizer,
                                       sampling_params={**sampling, "temperature": 0.0, "top_p": 1.0, "top_k": -1})
 
+            train_eval_prompts = train_data.prompts[: run_cfg.eval_size]
+
             def run_eval() -> dict[str, float]:
                 eval_start = time.perf_counter()
-                result = evaluate(eval_prompts, components.rollout_fn, eval_ctx, components.reward_fn, run_cfg.eval_pass_reward)
+                args = (components.rollout_fn, eval_ctx, components.reward_fn, run_cfg.eval_pass_reward)
+                result = evaluate(eval_prompts, *args)
+                result.update({f"{k}_train": v for k, v in evaluate(train_eval_prompts, *args).items()})
                 times["eval"] = times.get("eval", 0.0) + time.perf_counter() - eval_start
                 return result
 
             if eval_prompts:
                 summary["eval_start"] = run_eval()
                 summary["eval_prompts"] = len(eval_prompts)
+                summary["eval_train_prompts"] = len(train_eval_prompts)
             rewards: list[float] = []
             rl_start = time.perf_counter()
             with _progress(run_cfg.steps, "grpo" if config.advantage.name == "grpo" else "rl", run_cfg.progress) as bar:

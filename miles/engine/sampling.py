@@ -54,6 +54,8 @@ def sample_next(
     generator: torch.Generator | None,
 ) -> torch.Tensor:  # [B] long
     greedy = temperature == 0
+    if bool(greedy.all()):
+        return logits.argmax(dim=-1)
     scaled = logits / temperature.clamp(min=1e-5).unsqueeze(1)
     if bool(((top_k > 0) | (top_p < 1)).any()):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)

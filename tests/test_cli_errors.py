@@ -1,0 +1,55 @@
+"""Bad input: one clear paragraph naming the culprit, exit code 2, no traceback."""
+
+import json
+
+import pytest
+
+from miles.cli import main
+
+BASE = ["train", "configs/quickstart.yaml", "run.progress=false", "sft.steps=0", "run.steps=1"]
+
+
+def run_main(capsys, *args):
+    code = main([*BASE, *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def rows_file(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["reward.name=exact_mtch"], "unknown reward 'exact_mtch' (at reward.name). Registered rewards: exact_match"),
+        (["backend.name=fsdp3"], "unknown backend 'fsdp3' (at backend.name). Registered backends: torch"),
+        (["rollout.n_smaples=2"], "unknown config key 'rollout.n_smaples'"),
+        (["run.steps=ten"], "config key 'run.steps' (in overrides) expects int, got 'ten'"),
+        (["loss.clip=0.3"], "loss.clip: loss 'ppo_clip' takes no argument 'clip'"),
+        (["data.generator=null", "data.train_path=/nonexistent/train.jsonl"], "data file '/nonexistent/train.jsonl' does not exist"),
+        (["reward.name=no_such_module:fn"], "cannot import reward 'no_such_module:fn'"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(capsys, tmp_path, overrides, expected):
+    code, err = run_main(capsys, f"run.dir={tmp_path}", *overrides)
+    assert code == 2
+    assert err.startswith("miles: error: ")
+    assert expected in err
+    assert "Traceback" not in err
+
+
+def test_rows_without_prompt_key(capsys, tmp_path, rows_file):
+    code, err = run_main(capsys, f"run.dir={tmp_path}", "data.generator=null", f"data.train_path={rows_file}")
+    assert code == 2
+    assert "rows have no 'prompt' column (data.prompt_key); its columns are: question, answer" in err
+
+
+def test_real_process_exit_code_and_no_traceback(miles_cli, tmp_path):
+    result = miles_cli(*BASE, f"run.dir={tmp_path}", "reward.name=exact_mtch", "rollout.n_samples=0")
+    assert result.returncode == 2
+    assert "did you mean 'exact_match'?" in result.stderr
+    assert "rollout.n_samples: expected a whole number >= 1, got 0" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -145,26 +145,23 @@ class TrainBatch:
     def from_samples(cls, samples: list[Sample], pad_token_id: int) -> "TrainBatch":
         if not samples:
             raise ValueError("cannot build a TrainBatch from no samples")
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        batch_size, width = len(samples), max(max(lengths), 2)
-        input_ids = torch.full((batch_size, width), pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
-        loss_mask = torch.zeros((batch_size, width - 1))
-        logprobs = torch.zeros((batch_size, width - 1))
-        for row, (sample, length) in enumerate(zip(samples, lengths)):
-            n_prompt, n_response = len(sample.prompt_ids), len(sample.response_ids)
-            input_ids[row, :length] = torch.tensor(sample.prompt_ids + sample.response_ids)
-            attention_mask[row, :length] = 1
-            if n_response:
-                # Response token i sits at position n_prompt + i and is predicted at column n_prompt + i - 1.
-                loss_mask[row, n_prompt - 1 : length - 1] = torch.tensor(sample.loss_mask, dtype=torch.float)
-                logprobs[row, n_prompt - 1 : length - 1] = torch.tensor(sample.rollout_logprobs)
+        width = max(2, max(len(s.prompt_ids) + len(s.response_ids) for s in samples))
+        input_ids, attention_mask, loss_mask, logprobs = [], [], [], []
+        for s in samples:
+            length = len(s.prompt_ids) + len(s.response_ids)
+            pad = width - length
+            input_ids.append(s.prompt_ids + s.response_ids + [pad_token_id] * pad)
+            attention_mask.append([1] * length + [0] * pad)
+            # Response token i sits at position len(prompt) + i and is predicted at column len(prompt) + i - 1.
+            lead = [0] * (len(s.prompt_ids) - 1)
+            loss_mask.append(lead + s.loss_mask + [0] * pad)
+            logprobs.append(lead + s.rollout_logprobs + [0.0] * pad)
         rewards = [s.scalar_reward if s.reward is not None else math.nan for s in samples]
         return cls(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            loss_mask=loss_mask,
-            rollout_logprobs=logprobs,
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            attention_mask=torch.tensor(attention_mask, dtype=torch.long),
+            loss_mask=torch.tensor(loss_mask, dtype=torch.float),
+            rollout_logprobs=torch.tensor(logprobs, dtype=torch.float),
             rewards=torch.tensor(rewards, dtype=torch.float),
             group_index=torch.tensor([s.group_index for s in samples], dtype=torch.long),
             samples=samples,

@@ -23,6 +23,19 @@ class SamplingParams:
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> "SamplingParams":
         """Parse SGLang-style ``sampling_params``; a ValueError names the offending field."""
+        try:
+            key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (params or {}).items()))
+            cached = _PARSED.get(key)
+        except TypeError:  # unhashable values: parse (and fail) below
+            key, cached = None, None
+        if cached is None:
+            cached = cls._parse(params)
+            if key is not None and len(_PARSED) < 1024:
+                _PARSED[key] = cached
+        return cached
+
+    @classmethod
+    def _parse(cls, params: dict[str, Any] | None) -> "SamplingParams":
         params = dict(params or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(params) - known)
@@ -44,6 +57,9 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"sampling_params.{name}: expected {expected}, got {getattr(out, name)!r}")
         return out
+
+
+_PARSED: dict[tuple, SamplingParams] = {}
 
 
 def sample_next(

@@ -18,6 +18,15 @@ def test_defaults_file_and_overrides_merge():
     assert config.data.generator.name == "addition"
 
 
+def test_renaming_a_component_on_the_command_line_drops_the_old_arguments():
+    config = load_config(QUICKSTART, ["loss.name=sft"])
+    assert config.loss == {"name": "sft"}  # clip_low/clip_high belonged to ppo_clip
+    config = load_config(QUICKSTART, ["loss.name=my_loss", "loss.beta=0.1"])
+    assert config.loss == {"name": "my_loss", "beta": 0.1}
+    config = load_config(QUICKSTART, ["loss.name=ppo_clip", "loss.clip_high=0.3"])  # same name: arguments kept
+    assert config.loss == {"name": "ppo_clip", "clip_low": 0.2, "clip_high": 0.3}
+
+
 def test_unknown_key_and_wrong_type_reported_together():
     with pytest.raises(ConfigError) as err:
         load_config(QUICKSTART, ["rollout.n_sample=4", "run.steps=many", "model.build.hiden_size=32"])

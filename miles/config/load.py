@@ -14,7 +14,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from miles.config.schema import MilesConfig
+from miles.config.schema import COMPONENT_NODES, MilesConfig
 from miles.errors import ConfigError
 
 __all__ = ["load_config", "parse_overrides"]
@@ -88,7 +88,10 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictC
     problems: list[str] = []
     for source, cfg in sources:
         container = OmegaConf.to_container(cfg, resolve=False)
-        for key, value in _leaves(container):
+        leaves = _leaves(container)
+        if source == "overrides":
+            _reset_renamed_components(merged, leaves)
+        for key, value in leaves:
             try:
                 merged.merge_with(_nest(key, value))
             except OmegaConfBaseException as exc:
@@ -96,6 +99,16 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictC
     if problems:
         raise ConfigError("Config is not well-formed, found the following errors:\n- " + "\n- ".join(problems))
     return merged
+
+
+def _reset_renamed_components(merged: DictConfig, leaves: list[tuple[str, Any]]) -> None:
+    """``reward.name=other`` on the command line drops the file's arguments for the old reward."""
+    for key, value in leaves:
+        node, _, leaf = key.rpartition(".")
+        if leaf == "name" and node in COMPONENT_NODES:
+            current = OmegaConf.select(merged, node)
+            if isinstance(current, DictConfig) and current.get("name") != value:
+                OmegaConf.update(merged, node, {"name": value}, merge=False)
 
 
 def _nest(key: str, value: Any) -> DictConfig:

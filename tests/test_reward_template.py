@@ -4,10 +4,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+ROOT = Path(__file__).resolve().parent.parent
 
 TEMPLATE = ROOT / "contrib" / "miles-reward-template"
 

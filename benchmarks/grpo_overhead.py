@@ -110,19 +110,24 @@ def main() -> None:
         model_dir, train_file = tmp / "sft" / "sft_model", tmp / "sft" / "data" / "train.jsonl"
         bare_times, miles_times = [], []
         for repeat in range(args.repeats):
-            t, bare_rewards = bare_grpo(model_dir, train_file, args.steps, seed=repeat)
+            # Alternate the order, so that neither side always runs on a warmer (or busier) machine.
+            runs = [("bare", lambda: bare_grpo(model_dir, train_file, args.steps, seed=repeat)),
+                    ("miles", lambda: miles_grpo(model_dir, tmp / f"miles{repeat}", args.steps, seed=repeat))]
+            results = dict((name, fn()) for name, fn in (runs if repeat % 2 == 0 else runs[::-1]))
+            (t, bare_rewards), (t_miles, miles_rewards) = results["bare"], results["miles"]
             bare_times.append(t)
-            t, miles_rewards = miles_grpo(model_dir, tmp / f"miles{repeat}", args.steps, seed=repeat)
-            miles_times.append(t)
+            miles_times.append(t_miles)
             window = min(10, args.steps)
             print(f"repeat {repeat}: bare {bare_times[-1]:.2f} s (reward {sum(bare_rewards[:window]) / window:.3f} -> "
                   f"{sum(bare_rewards[-window:]) / window:.3f}), miles {miles_times[-1]:.2f} s (reward "
                   f"{sum(miles_rewards[:window]) / window:.3f} -> {sum(miles_rewards[-window:]) / window:.3f})")
     bare, ours = min(bare_times), min(miles_times)
+    ratios = sorted(m / b for m, b in zip(miles_times, bare_times))
     print(f"\nGRPO phase, {args.steps} steps of 16 prompts x 8 samples (best of {args.repeats}):")
     print(f"  bare single-file loop : {bare:7.2f} s  ({1000 * bare / args.steps:.1f} ms/step)")
     print(f"  miles                 : {ours:7.2f} s  ({1000 * ours / args.steps:.1f} ms/step)")
     print(f"  ratio miles / bare    : {ours / bare:7.3f}  (framework overhead {100 * (ours / bare - 1):+.1f}%)")
+    print(f"  per-repeat ratios     : {', '.join(f'{r:.3f}' for r in ratios)} (median {ratios[len(ratios) // 2]:.3f})")
 
 
 if __name__ == "__main__":

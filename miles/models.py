@@ -6,6 +6,7 @@ Built models are random-init ``transformers`` models saved with safetensors, so 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -77,8 +78,13 @@ def build_model_dir(build, tokenizer_cfg, out_dir: str | Path, seed: int) -> Pat
     return Path(out_dir)
 
 
-def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path) -> None:
-    """Save in HF format (safetensors) atomically: written beside, then renamed into place."""
+def save_pretrained(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path, metadata: dict | None = None
+) -> None:
+    """Save in HF format (safetensors) atomically: written beside, then renamed into place.
+
+    ``metadata`` (the run's step and plugin stack) goes to ``miles.json`` in the same directory.
+    """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -86,6 +92,8 @@ def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase |
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if metadata is not None:
+            (tmp / "miles.json").write_text(json.dumps(metadata, indent=1))
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old")
             shutil.rmtree(old, ignore_errors=True)

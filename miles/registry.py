@@ -116,7 +116,7 @@ class Registry:
         if existing is not None:
             if not (existing.builtin and override):
                 hint = (
-                    f"; to replace the builtin, register it with override=True"
+                    "; to replace the builtin, register it with override=True"
                     if existing.builtin
                     else "; uninstall one of them or leave one out with run.plugins.allow"
                 )

@@ -11,12 +11,12 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
 from typing import Any
 
 import torch
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -26,9 +26,9 @@ from miles.errors import DataError
 from miles.loop import Components, evaluate, rl_step, sft_step
 from miles.models import build_model_dir, load_tokenizer
 from miles.plugins import PluginManager, build_plugin_manager
-from miles.registry import Registry
+from miles.registry import KINDS, Registry
 from miles.rollout.context import RolloutContext
-from miles.rollout.data_source import PromptSource, read_rows
+from miles.rollout.data_source import Prompt, PromptSource, read_rows
 
 __all__ = ["Prepared", "prepare", "train", "plugin_stack"]
 
@@ -57,7 +57,7 @@ def plugin_stack(pm: PluginManager, registry: Registry) -> list[dict[str, Any]]:
     stack = []
     for name, info in pm.info.items():
         registered: dict[str, list[str]] = {}
-        for kind in registry._entries:
+        for kind in KINDS:
             names = [e.name for e in registry.entries(kind) if e.plugin.name == name]
             if names:
                 registered[kind] = names
@@ -108,140 +108,169 @@ def _summary_text(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class _Run:
+    """What the phases of one run share."""
+
+    p: Prepared
+    run_dir: Path
+    seed: int
+    stack: list[dict[str, Any]]
+    tokenizer: Any
+    pad_token_id: int
+    train_rows: list[dict[str, Any]]
+    source_args: dict[str, Any]
+    eval_prompts: list[Prompt]
+    loggers: list[Any]
+    times: dict[str, float] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def timed(self, phase: str, since: float) -> None:
+        self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - since
+
+
+def _sft_phase(run: _Run, model_path: str) -> str:
+    """Supervised warm-up on prompt/label pairs; returns the checkpoint RL starts from."""
+    config, start = run.p.config, time.perf_counter()
+    backend = run.p.registry.build("backend", {**component_node(config.backend), "lr": float(config.sft.lr)}, "backend")
+    backend.setup(model_path, seed=run.seed)
+    loss = run.p.build("loss", "sft.loss")
+    data = PromptSource(run.train_rows, run.tokenizer, shuffle=True, **{**run.source_args, "seed": run.seed + 1})
+    with _progress(config.sft.steps, "sft", config.run.progress) as bar:
+        for _ in range(config.sft.steps):
+            metrics = sft_step(data, run.tokenizer, config.sft.batch_size, backend, loss, run.pad_token_id)
+            bar.update()
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
+    out = str(run.run_dir / "sft_model")
+    backend.save_pretrained(out, run.tokenizer, {"phase": "sft", "step": config.sft.steps, "plugins": run.stack})
+    backend.shutdown()
+    run.p.pm.hook.miles_checkpoint_save(path=out, step=config.sft.steps)
+    run.summary["sft_final_loss"] = metrics["train/loss"]
+    run.timed("sft", start)
+    return out
+
+
+def _rl_phase(run: _Run, model_path: str) -> str:
+    """RL steps with evaluations before and after; returns the final checkpoint."""
+    p, config, run_cfg = run.p, run.p.config, run.p.config.run
+    start = time.perf_counter()
+    engine = p.build("rollout_engine", "rollout.engine")
+    engine.load_model(model_path)
+    backend = p.build("backend", "backend")
+    backend.setup(model_path, seed=run.seed)
+    sampling = OmegaConf.to_container(config.rollout.sampling)
+    c = Components(
+        pm=p.pm,
+        train_data=PromptSource(run.train_rows, run.tokenizer, shuffle=config.data.shuffle, **run.source_args),
+        rollout_fn=p.build("rollout_fn", "rollout.fn"),
+        rollout_ctx=RolloutContext(engine=engine, tokenizer=run.tokenizer, sampling_params=sampling),
+        engines=[engine],
+        reward_fn=p.build("reward", "reward"),
+        selectors=[p.registry.build("data_selector", component_node(n), f"selection[{i}]")
+                   for i, n in enumerate(config.selection)],
+        advantage_fn=p.build("advantage", "advantage"),
+        loss_fn=p.build("loss", "loss"),
+        backend=backend,
+        transport=p.build("weight_transport", "rollout.weight_sync"),
+        pad_token_id=run.pad_token_id,
+        prompts_per_step=config.rollout.prompts_per_step,
+        n_samples=config.rollout.n_samples,
+        max_failed_frac=run_cfg.max_failed_frac,
+    )
+    greedy = RolloutContext(engine=engine, tokenizer=run.tokenizer,
+                            sampling_params={**sampling, "temperature": 0.0, "top_p": 1.0, "top_k": -1})
+    train_eval_prompts = c.train_data.prompts[: run_cfg.eval_size] if run.eval_prompts else []
+    run.timed("setup", start)
+
+    def run_eval() -> dict[str, float]:
+        eval_start = time.perf_counter()
+        args = (c.rollout_fn, greedy, c.reward_fn, run_cfg.eval_pass_reward)
+        result = evaluate(run.eval_prompts, *args)
+        result.update({f"{k}_train": v for k, v in evaluate(train_eval_prompts, *args).items()})
+        run.timed("eval", eval_start)
+        return result
+
+    if run.eval_prompts:
+        run.summary.update(eval_start=run_eval(), eval_prompts=len(run.eval_prompts),
+                           eval_train_prompts=len(train_eval_prompts))
+    rewards: list[float] = []
+    with _progress(run_cfg.steps, config.advantage.name, run_cfg.progress) as bar:
+        for step in range(run_cfg.steps):
+            step_start = time.perf_counter()
+            metrics = rl_step(c, step)
+            run.timed("rl", step_start)
+            last = step + 1 == run_cfg.steps
+            if run.eval_prompts and run_cfg.eval_every and (step + 1) % run_cfg.eval_every == 0 and not last:
+                metrics.update(run_eval())
+            p.pm.hook.miles_train_step_end(step=step, metrics=metrics)
+            for logger in run.loggers:
+                logger.log(step, metrics)
+            rewards.append(metrics["reward/mean"])
+            bar.update()
+            bar.set_postfix(reward=f"{fmean(rewards[-10:]):.3f}")
+    if run.eval_prompts:
+        run.summary["eval_end"] = run_eval()
+        for logger in run.loggers:
+            logger.log(run_cfg.steps, run.summary["eval_end"])
+    window = max(1, min(10, len(rewards) // 5))
+    run.summary.update(reward_window=window, reward_start=fmean(rewards[:window]), reward_end=fmean(rewards[-window:]))
+    out = str(run.run_dir / "final_model")
+    backend.save_pretrained(out, run.tokenizer, {"phase": "rl", "step": run_cfg.steps, "plugins": run.stack})
+    backend.shutdown()
+    p.pm.hook.miles_checkpoint_save(path=out, step=run_cfg.steps)
+    return out
+
+
 def train(p: Prepared) -> dict[str, Any]:
     """Run every phase; returns the summary (also written to ``<run.dir>/summary.json``)."""
-    config, pm, registry = p.config, p.pm, p.registry
-    run_cfg = config.run
-    seed = int(run_cfg.seed)
-    run_dir = Path(run_cfg.dir)
+    config, run_cfg, started = p.config, p.config.run, time.perf_counter()
+    seed, run_dir = int(run_cfg.seed), Path(run_cfg.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     if run_cfg.torch_threads > 0:
         torch.set_num_threads(run_cfg.torch_threads)
-    times: dict[str, float] = {}
-    started = time.perf_counter()
 
-    stack = plugin_stack(pm, registry)
+    stack = plugin_stack(p.pm, p.registry)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config))
     (run_dir / "run.json").write_text(json.dumps({"config": OmegaConf.to_container(config), "plugins": stack}, indent=1))
-    pm.hook.miles_run_start(run_dir=str(run_dir), config=config, plugins=stack)
+    p.pm.hook.miles_run_start(run_dir=str(run_dir), config=config, plugins=stack)
 
     train_path, eval_path = _prepare_data(p, run_dir)
     model_path = config.model.path
     if model_path is None:
         model_path = str(build_model_dir(config.model.build, config.model.tokenizer, run_dir / "init_model", seed))
     tokenizer = load_tokenizer(model_path)
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     data_cfg = config.data
-    sft_enabled = config.sft.steps > 0
     source_args = dict(prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key,
                        chat_template=data_cfg.chat_template, seed=seed)
-    train_rows = read_rows(train_path, data_cfg.prompt_key, data_cfg.label_key if sft_enabled else None)
-    train_data = PromptSource(train_rows, tokenizer, shuffle=data_cfg.shuffle, **source_args)
-    eval_prompts = []
-    if eval_path and run_cfg.eval_size > 0:
+    label_key = data_cfg.label_key if config.sft.steps > 0 else None  # SFT needs labels; RL rewards may not
+    eval_prompts: list[Prompt] = []
+    if eval_path and run_cfg.eval_size > 0 and run_cfg.steps > 0:
         eval_rows = read_rows(eval_path, data_cfg.prompt_key, None)[: run_cfg.eval_size]
         eval_prompts = PromptSource(eval_rows, tokenizer, shuffle=False, **source_args).prompts
-    times["setup"] = time.perf_counter() - started
 
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "plugins": stack}
-    with ExitStack() as stack_cm:
-        loggers = [registry.build("logger", component_node(node), f"run.loggers[{i}]") for i, node in enumerate(run_cfg.loggers)]
+    with ExitStack() as closing:
+        loggers = [p.registry.build("logger", component_node(node), f"run.loggers[{i}]")
+                   for i, node in enumerate(run_cfg.loggers)]
         for logger in loggers:
             logger.start(str(run_dir), config)
-            stack_cm.callback(logger.close)
-
-        if sft_enabled:
-            phase_start = time.perf_counter()
-            backend_node = {**component_node(config.backend), "lr": float(config.sft.lr)}
-            backend = registry.build("backend", backend_node, "backend")
-            backend.setup(model_path, seed=seed)
-            sft_loss = p.build("loss", "sft.loss")
-            sft_data = PromptSource(train_rows, tokenizer, shuffle=True, **{**source_args, "seed": seed + 1})
-            with _progress(config.sft.steps, "sft", run_cfg.progress) as bar:
-                for step in range(config.sft.steps):
-                    metrics = sft_step(sft_data, tokenizer, config.sft.batch_size, backend, sft_loss, pad_token_id)
-                    bar.update()
-                    bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
-            model_path = str(run_dir / "sft_model")
-            backend.save_pretrained(model_path, tokenizer)
-            backend.shutdown()
-            pm.hook.miles_checkpoint_save(path=model_path, step=0)
-            summary["sft_final_loss"] = metrics["train/loss"]
-            times["sft"] = time.perf_counter() - phase_start
-
-        final_model = model_path
+            closing.callback(logger.close)
+        run = _Run(
+            p, run_dir, seed, stack, tokenizer,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            train_rows=read_rows(train_path, data_cfg.prompt_key, label_key), source_args=source_args,
+            eval_prompts=eval_prompts, loggers=loggers, summary={"run_dir": str(run_dir), "plugins": stack},
+        )
+        run.timed("setup", started)
+        if config.sft.steps > 0:
+            model_path = _sft_phase(run, model_path)
         if run_cfg.steps > 0:
-            phase_start = time.perf_counter()
-            engine = p.build("rollout_engine", "rollout.engine")
-            engine.load_model(model_path)
-            backend = p.build("backend", "backend")
-            backend.setup(model_path, seed=seed)
-            sampling = OmegaConf.to_container(config.rollout.sampling)
-            components = Components(
-                pm=pm,
-                train_data=train_data,
-                rollout_fn=p.build("rollout_fn", "rollout.fn"),
-                rollout_ctx=RolloutContext(engine=engine, tokenizer=tokenizer, sampling_params=sampling),
-                engines=[engine],
-                reward_fn=p.build("reward", "reward"),
-                selectors=[registry.build("data_selector", component_node(n), f"selection[{i}]") for i, n in enumerate(config.selection)],
-                advantage_fn=p.build("advantage", "advantage"),
-                loss_fn=p.build("loss", "loss"),
-                backend=backend,
-                transport=p.build("weight_transport", "rollout.weight_sync"),
-                pad_token_id=pad_token_id,
-                prompts_per_step=config.rollout.prompts_per_step,
-                n_samples=config.rollout.n_samples,
-                max_failed_frac=run_cfg.max_failed_frac,
-            )
-            times["setup"] += time.perf_counter() - phase_start
-            eval_ctx = RolloutContext(engine=engine, tokenizer=tokenizer,
-                                      sampling_params={**sampling, "temperature": 0.0, "top_p": 1.0, "top_k": -1})
+            model_path = _rl_phase(run, model_path)
 
-            train_eval_prompts = train_data.prompts[: run_cfg.eval_size]
-
-            def run_eval() -> dict[str, float]:
-                eval_start = time.perf_counter()
-                args = (components.rollout_fn, eval_ctx, components.reward_fn, run_cfg.eval_pass_reward)
-                result = evaluate(eval_prompts, *args)
-                result.update({f"{k}_train": v for k, v in evaluate(train_eval_prompts, *args).items()})
-                times["eval"] = times.get("eval", 0.0) + time.perf_counter() - eval_start
-                return result
-
-            if eval_prompts:
-                summary["eval_start"] = run_eval()
-                summary["eval_prompts"] = len(eval_prompts)
-                summary["eval_train_prompts"] = len(train_eval_prompts)
-            rewards: list[float] = []
-            rl_start = time.perf_counter()
-            with _progress(run_cfg.steps, "grpo" if config.advantage.name == "grpo" else "rl", run_cfg.progress) as bar:
-                for step in range(run_cfg.steps):
-                    metrics = rl_step(components, step)
-                    if eval_prompts and run_cfg.eval_every and (step + 1) % run_cfg.eval_every == 0 and step + 1 < run_cfg.steps:
-                        metrics.update(run_eval())
-                    pm.hook.miles_train_step_end(step=step, metrics=metrics)
-                    for logger in loggers:
-                        logger.log(step, metrics)
-                    rewards.append(metrics["reward/mean"])
-                    bar.update()
-                    bar.set_postfix(reward=f"{fmean(rewards[-10:]):.3f}")
-            times["rl"] = time.perf_counter() - rl_start - times.get("eval", 0.0)
-            if eval_prompts:
-                summary["eval_end"] = run_eval()
-                for logger in loggers:
-                    logger.log(run_cfg.steps, summary["eval_end"])
-            window = max(1, min(10, len(rewards) // 5))
-            summary.update(reward_window=window, reward_start=fmean(rewards[:window]), reward_end=fmean(rewards[-window:]))
-            final_model = str(run_dir / "final_model")
-            backend.save_pretrained(final_model, tokenizer)
-            backend.shutdown()
-            pm.hook.miles_checkpoint_save(path=final_model, step=run_cfg.steps)
-
-    summary["final_model"] = final_model
-    times["total"] = time.perf_counter() - started
-    summary["time_s"] = times
+    summary = run.summary
+    summary["final_model"] = model_path
+    summary["time_s"] = {**run.times, "total": time.perf_counter() - started}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    pm.hook.miles_run_end(run_dir=str(run_dir), summary=summary)
+    p.pm.hook.miles_run_end(run_dir=str(run_dir), summary=summary)
     print(_summary_text(summary))
     return summary

@@ -35,6 +35,10 @@ def test_quickstart_learns(miles_cli, tmp_path):
     assert {"name": "miles.builtin.rewards", "version": header["plugins"][0]["version"]}.items() <= header["plugins"][0].items()
     assert header["config"]["run"]["steps"] == 200
 
+    for checkpoint, step in (("sft_model", 50), ("final_model", 200)):
+        recorded = json.loads((tmp_path / checkpoint / "miles.json").read_text())
+        assert recorded["step"] == step and recorded["plugins"] == header["plugins"]
+
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "final_model")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "final_model")
     ids = tokenizer("2+3=", return_tensors="pt")["input_ids"]

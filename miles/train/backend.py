@@ -34,8 +34,8 @@ class TrainBackend(Protocol):
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The current weights by parameter name, for weight sync (not to be modified)."""
 
-    def save_pretrained(self, path: str, tokenizer: Any = None) -> None:
-        """Write the policy in HF format (safetensors), atomically."""
+    def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
+        """Write the policy in HF format (safetensors), atomically, with ``metadata`` as ``miles.json``."""
 
     def shutdown(self) -> None:
         """Release workers and memory."""

@@ -67,8 +67,8 @@ class TorchBackend:
     def export_weights(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
 
-    def save_pretrained(self, path: str, tokenizer: Any = None) -> None:
-        save_pretrained(self.model, tokenizer, path)
+    def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
+        save_pretrained(self.model, tokenizer, path, metadata)
 
     def shutdown(self) -> None:
         self.model = None

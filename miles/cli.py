@@ -49,6 +49,15 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_engine_serve(args: argparse.Namespace) -> int:
+    from miles.engine.server import serve
+    from miles.models import load_tokenizer
+
+    load_tokenizer(args.model)  # a ConfigError (exit 2) for a directory that is not a model
+    serve(args.model, host=args.host, port=args.port, seed=args.seed)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miles", description="RL post-training of language models.")
     parser.add_argument("--version", action="version", version=f"miles {__version__}")
@@ -67,6 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list installed plugins and what each registered")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     plugins.set_defaults(func=_cmd_plugins)
+    engine = sub.add_parser("engine", help="the embedded inference engine")
+    engine_sub = engine.add_subparsers(dest="engine_command", required=True)
+    serve = engine_sub.add_parser("serve", help="serve a model over HTTP with SGLang's protocol")
+    serve.add_argument("--model", required=True, help="HF-format model directory")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.set_defaults(func=_cmd_engine_serve)
     return parser
 
 

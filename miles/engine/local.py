@@ -35,6 +35,7 @@ class LocalEngine:
         self.max_batch_size = max_batch_size
         self.seed = seed
         self.model: Any = None
+        self.model_path: str | None = None
         self.tokenizer: Any = None
         self.weight_version = 0
         self._generator = torch.Generator().manual_seed(seed)
@@ -44,6 +45,7 @@ class LocalEngine:
     # -- lifecycle ----------------------------------------------------------------------------------
 
     def load_model(self, path: str) -> None:
+        self.model_path = str(path)
         self.model = load_model(path).eval()
         self.model.requires_grad_(False)
         self.tokenizer = load_tokenizer(path)

@@ -115,3 +115,22 @@ def test_update_weights_from_disk(server, tmp_path):
     assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
     status, error = call(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
     assert status == 400 and "model_path" in error["error"]
+
+
+def test_health_answers_while_a_long_generation_runs(server):
+    import threading
+
+    finished = {}
+
+    def long_generation():
+        call(server, "/generate", {"input_ids": [[4, 13, 5, 14]] * 128,
+                                   "sampling_params": {"max_new_tokens": 120, "ignore_eos": True}})
+        finished["generate"] = time.monotonic()
+
+    worker = threading.Thread(target=long_generation)
+    worker.start()
+    time.sleep(0.3)  # the generation is under way
+    assert call(server, "/health")[0] == 200
+    finished["health"] = time.monotonic()
+    worker.join()
+    assert finished["health"] < finished["generate"]

@@ -31,8 +31,9 @@ class _Pending:
 class LocalEngine:
     """Registered as rollout engine ``local``."""
 
-    def __init__(self, max_batch_size: int = 1024, seed: int = 0) -> None:
+    def __init__(self, max_batch_size: int = 1024, seed: int = 0, threaded: bool = False) -> None:
         self.max_batch_size = max_batch_size
+        self.threaded = threaded  # generate in a worker thread, keeping the event loop free (servers)
         self.seed = seed
         self.model: Any = None
         self.model_path: str | None = None
@@ -84,7 +85,10 @@ class LocalEngine:
         self._pending.append(pending)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            loop.call_soon(self._flush)
+            if self.threaded:
+                self._flush_task = loop.create_task(self._flush_in_thread())
+            else:
+                loop.call_soon(self._flush)
         return await pending.future
 
     def _check_prompt(self, input_ids: list[int]) -> None:
@@ -100,23 +104,38 @@ class LocalEngine:
                 f"{self.context_length} tokens"
             )
 
-    def _flush(self) -> None:
+    def _take_chunks(self) -> list[list[_Pending]]:
         self._flush_scheduled = False
         pending, self._pending = self._pending, []
-        for start in range(0, len(pending), self.max_batch_size):
-            chunk = pending[start : start + self.max_batch_size]
-            try:
-                answers = self.generate_batch([p.input_ids for p in chunk], [p.params for p in chunk])
-            except Exception as exc:  # the requests fail; the engine keeps serving
-                for p in chunk:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
+        return [pending[i : i + self.max_batch_size] for i in range(0, len(pending), self.max_batch_size)]
+
+    def _run_chunk(self, chunk: list[_Pending]) -> list[dict[str, Any]] | Exception:
+        try:
+            return self.generate_batch([p.input_ids for p in chunk], [p.params for p in chunk])
+        except Exception as exc:  # the requests fail; the engine keeps serving
+            return exc
+
+    @staticmethod
+    def _resolve(chunk: list[_Pending], answers: list[dict[str, Any]] | Exception) -> None:
+        for i, p in enumerate(chunk):
+            if p.future.done():
                 continue
-            for p, answer in zip(chunk, answers):
-                if not p.return_logprob:
-                    answer["meta_info"].pop("output_token_logprobs")
-                if not p.future.done():
-                    p.future.set_result(answer)
+            if isinstance(answers, Exception):
+                p.future.set_exception(answers)
+                continue
+            if not p.return_logprob:
+                answers[i]["meta_info"].pop("output_token_logprobs")
+            p.future.set_result(answers[i])
+
+    def _flush(self) -> None:
+        for chunk in self._take_chunks():
+            self._resolve(chunk, self._run_chunk(chunk))
+
+    async def _flush_in_thread(self) -> None:
+        await asyncio.sleep(0)  # let the requests of this turn join the batch
+        loop = asyncio.get_running_loop()
+        for chunk in self._take_chunks():
+            self._resolve(chunk, await loop.run_in_executor(None, self._run_chunk, chunk))
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict[str, Any]]:

@@ -50,10 +50,13 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_engine_serve(args: argparse.Namespace) -> int:
-    from miles.engine.server import serve
-    from miles.models import load_tokenizer
+    from pathlib import Path
 
-    load_tokenizer(args.model)  # a ConfigError (exit 2) for a directory that is not a model
+    from miles.engine.server import serve
+    from miles.errors import ConfigError
+
+    if not (Path(args.model) / "config.json").is_file():
+        raise ConfigError(f"--model {args.model!r} is not an HF model directory (no config.json there)")
     serve(args.model, host=args.host, port=args.port, seed=args.seed)
     return 0
 

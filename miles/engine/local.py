@@ -42,6 +42,7 @@ class LocalEngine:
         self._generator = torch.Generator().manual_seed(seed)
         self._pending: list[_Pending] = []
         self._flush_scheduled = False
+        self._flush_task: asyncio.Task | None = None  # held so the running flush is not garbage-collected
 
     # -- lifecycle ----------------------------------------------------------------------------------
 

@@ -13,7 +13,16 @@ from miles.engine import LocalEngine
 def engine(tiny_model_dir):
     engine = LocalEngine(seed=1)
     engine.load_model(str(tiny_model_dir))
-    return engine
+    yield engine
+    engine.close()
+
+
+def reference_logprobs(model_dir, prompt, output_ids):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + output_ids])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    return logprobs[len(prompt) - 1 :].gather(1, ids[0, len(prompt) :, None]).squeeze(1)
 
 
 def generate_many(engine, prompts, params):
@@ -47,12 +56,10 @@ def test_logprobs_match_a_transformers_forward(engine, tiny_model_dir):
 
 
 def test_concurrent_requests_are_batched_and_independent(engine):
-    calls = []
-    original = engine.generate_batch
-    engine.generate_batch = lambda prompts, params: calls.append(len(prompts)) or original(prompts, params)
     params = {"max_new_tokens": 4, "temperature": 0.0}
+    before = engine.batcher.stats["prefill_batches"]
     answers = generate_many(engine, [[4, 13, 5, 14]] * 5 + [[7, 13, 2, 14]], params)
-    assert calls == [6]
+    assert engine.batcher.stats["prefill_batches"] == before + 1  # one turn, one prefill
     single = generate_many(engine, [[7, 13, 2, 14]], params)[0]
     assert answers[-1]["output_ids"] == single["output_ids"]  # padding does not change greedy results
     assert all(a["output_ids"] == answers[0]["output_ids"] for a in answers[:5])
@@ -106,3 +113,39 @@ def test_mismatched_weight_update_is_refused_whole(engine):
         engine.update_weights(bad)
     assert engine.weight_version == 0
     assert all(torch.equal(v, state[k]) for k, v in engine.model.state_dict().items())
+
+
+def test_continuous_batching_short_request_overtakes_a_long_one(engine, tiny_model_dir):
+    """A request that joins a running batch finishes first, and both keep exact log-probs."""
+    finished = []
+
+    async def go():
+        async def one(name, prompt, n, delay):
+            await asyncio.sleep(delay)
+            answer = await engine.generate(prompt, {"max_new_tokens": n, "ignore_eos": True})
+            finished.append(name)
+            return answer
+
+        return await asyncio.gather(one("long", [4, 13, 5, 14], 100, 0.0), one("short", [9, 13, 9, 14, 1, 3], 3, 0.05))
+
+    decode_steps = engine.batcher.stats["decode_steps"]
+    long, short = asyncio.run(go())
+    assert finished == ["short", "long"]
+    assert len(long["output_ids"]) == 100 and len(short["output_ids"]) == 3
+    assert engine.batcher.stats["decode_steps"] - decode_steps < 100 + 3  # the short one rode along
+    for prompt, answer in (([4, 13, 5, 14], long), ([9, 13, 9, 14, 1, 3], short)):
+        got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, reference_logprobs(tiny_model_dir, prompt, answer["output_ids"]), atol=1e-4)
+
+
+def test_abort_returns_what_was_generated(engine):
+    async def go():
+        task = asyncio.ensure_future(engine.generate([4, 13, 5, 14], {"max_new_tokens": 120, "ignore_eos": True}, rid="r1"))
+        await asyncio.sleep(0.05)
+        assert engine.abort("r1") == 1
+        return await task
+
+    answer = asyncio.run(go())
+    assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(answer["output_ids"]) < 120
+    assert len(answer["meta_info"]["output_token_logprobs"]) == len(answer["output_ids"])

@@ -124,7 +124,7 @@ def build_app(engine: LocalEngine) -> web.Application:
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 30000, seed: int = 0) -> None:
-    engine = LocalEngine(seed=seed, threaded=True)
+    engine = LocalEngine(seed=seed)
     engine.load_model(model)
     print(f"miles engine serving {model} on http://{host}:{port}", flush=True)
     web.run_app(build_app(engine), host=host, port=port, print=None)

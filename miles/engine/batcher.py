@@ -1,0 +1,241 @@
+"""Continuous batching: requests join and leave the running batch at every decode step.
+
+One worker thread owns the model's forward passes. Each iteration admits the queued requests
+(prefilled together, left-padded), merges their KV cache into the running batch, feeds every row's
+last sampled token, samples the next, and retires finished rows. Weight updates take the same lock
+as a step, so no request is ever served by half-updated weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from miles.engine.sampling import SamplingParams, sample_next
+
+__all__ = ["ContinuousBatcher", "Request"]
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    deliver: Callable[[dict[str, Any]], None]  # called from the worker thread with the answer
+    return_logprob: bool = True
+    rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    budget: int = 0
+    stop_ids: tuple[int, ...] = ()
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    aborted: bool = False
+
+
+class ContinuousBatcher:
+    def __init__(self, model: Any, tokenizer: Any, *, context_length: int, pad_token_id: int, eos_token_id: int,
+                 generator: torch.Generator, max_batch_size: int, version: Callable[[], int]) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.context_length, self.pad, self.eos = context_length, pad_token_id, eos_token_id
+        self.generator, self.max_batch_size, self.version = generator, max_batch_size, version
+        self.step_lock = threading.Lock()  # held for each step and by weight updates
+        self.stats = {"prefill_batches": 0, "decode_steps": 0}
+        self._cond = threading.Condition()
+        self._queue: list[Request] = []
+        self._paused = False
+        self._closed = False
+        self._rows: list[Request] = []
+        self._cache: DynamicCache | None = None
+        self._mask = torch.zeros((0, 0), dtype=torch.long)  # [B, T]
+        self._next_pos = torch.zeros(0, dtype=torch.long)  # [B] position of each row's pending token
+        self._pending = torch.zeros(0, dtype=torch.long)  # [B] sampled, not yet fed
+        self._thread = threading.Thread(target=self._run, name="miles-engine", daemon=True)
+        self._thread.start()
+
+    # -- control (any thread) -----------------------------------------------------------------------
+
+    def submit(self, requests: list[Request]) -> None:
+        for r in requests:
+            r.budget = min(r.params.max_new_tokens, self.context_length - len(r.prompt))
+            r.stop_ids = tuple(r.params.stop_token_ids) + (() if r.params.ignore_eos else (self.eos,))
+        with self._cond:
+            self._queue.extend(requests)
+            self._cond.notify()
+
+    def abort(self, rid: str | None = None) -> int:
+        """Finish the request ``rid`` (every request when None) with what it has so far."""
+        with self._cond:
+            hits = [r for r in self._queue + self._rows if rid is None or r.rid == rid]
+            for r in hits:
+                r.aborted = True
+            self._cond.notify()
+        return len(hits)
+
+    def pause(self) -> None:
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queue) + len(self._rows)
+
+    # -- the worker -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (self._paused or not (self._queue or self._rows)):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                room = max(0, self.max_batch_size - len(self._rows))
+                admitted, self._queue = self._queue[:room], self._queue[room:]
+            with self.step_lock:
+                try:
+                    self._retire_aborted()
+                    live = [r for r in admitted if not self._finish_if_aborted(r)]
+                    if live:
+                        self._admit(live)
+                    if self._rows:
+                        self._decode()
+                except Exception as exc:  # fail what is in flight; keep serving
+                    for r in admitted + self._rows:
+                        if r.finish is None:
+                            r.finish = {"type": "abort", "message": f"{type(exc).__name__}: {exc}"}
+                            r.deliver(self._answer(r))
+                    self._reset()
+
+    def _reset(self) -> None:
+        self._rows, self._cache = [], None
+        self._mask = torch.zeros((0, 0), dtype=torch.long)
+        self._next_pos = torch.zeros(0, dtype=torch.long)
+        self._pending = torch.zeros(0, dtype=torch.long)
+
+    def _finish_if_aborted(self, r: Request) -> bool:
+        if r.aborted and r.finish is None:
+            r.finish = {"type": "abort", "message": "aborted"}
+            r.deliver(self._answer(r))
+        return r.aborted
+
+    def _retire_aborted(self) -> None:
+        if any(r.aborted for r in self._rows):
+            for r in self._rows:
+                self._finish_if_aborted(r)
+            self._keep([i for i, r in enumerate(self._rows) if not r.aborted])
+
+    @torch.inference_mode()
+    def _admit(self, requests: list[Request]) -> None:
+        width = max(len(r.prompt) for r in requests)
+        ids = torch.tensor([[self.pad] * (width - len(r.prompt)) + r.prompt for r in requests])
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in requests])
+        cache = DynamicCache()
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                            cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
+        self.stats["prefill_batches"] += 1
+        tokens = self._sample(logits, requests)
+        next_pos = torch.tensor([len(r.prompt) for r in requests])
+        if self._cache is None:
+            self._cache, self._mask, self._next_pos, self._pending = cache, mask, next_pos, tokens
+        else:
+            old, new = self._mask.shape[1], width
+            span = max(old, new)
+            for mine, theirs in zip(self._cache.layers, cache.layers):
+                mine.keys = torch.cat([_left_pad(mine.keys, span), _left_pad(theirs.keys, span)])
+                mine.values = torch.cat([_left_pad(mine.values, span), _left_pad(theirs.values, span)])
+            self._mask = torch.cat([_left_pad(self._mask, span), _left_pad(mask, span)])
+            self._next_pos = torch.cat([self._next_pos, next_pos])
+            self._pending = torch.cat([self._pending, tokens])
+        self._rows = self._rows + requests
+        self._retire(len(self._rows) - len(requests))
+
+    @torch.inference_mode()
+    def _decode(self) -> None:
+        batch = len(self._rows)
+        self._mask = torch.cat([self._mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+        logits = self.model(input_ids=self._pending.unsqueeze(1), attention_mask=self._mask,
+                            position_ids=self._next_pos.unsqueeze(1), cache=self._cache, use_cache=True).logits[:, -1, :].float()
+        self.stats["decode_steps"] += 1
+        self._next_pos = self._next_pos + 1
+        self._pending = self._sample(logits, self._rows)
+        self._retire(0)
+
+    def _sample(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
+        params = [r.params for r in rows]
+        tokens = sample_next(
+            logits, torch.tensor([float(p.temperature) for p in params]), torch.tensor([float(p.top_p) for p in params]),
+            torch.tensor([p.top_k for p in params]), self.generator,
+        )
+        logprobs = (logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)).tolist()
+        for r, token, logprob in zip(rows, tokens.tolist(), logprobs):
+            r.output_ids.append(token)
+            r.output_logprobs.append(logprob)
+            if token in r.stop_ids:
+                r.finish = {"type": "stop", "matched": token}
+            elif len(r.output_ids) >= r.budget:
+                r.finish = {"type": "length", "length": len(r.output_ids)}
+        return tokens
+
+    def _retire(self, first: int) -> None:
+        """Deliver rows (from index ``first``) that finished, and drop them from the batch."""
+        done = [i for i in range(first, len(self._rows)) if self._rows[i].finish is not None]
+        if not done:
+            return
+        for i in done:
+            self._rows[i].deliver(self._answer(self._rows[i]))
+        finished = set(done)
+        self._keep([i for i in range(len(self._rows)) if i not in finished])
+
+    def _keep(self, keep: list[int]) -> None:
+        if not keep:
+            self._reset()
+            return
+        index = torch.tensor(keep)
+        self._rows = [self._rows[i] for i in keep]
+        self._mask, self._next_pos, self._pending = self._mask[index], self._next_pos[index], self._pending[index]
+        lead = int((self._mask.sum(dim=0) == 0).long().cumprod(0).sum())  # columns no row attends to
+        self._mask = self._mask[:, lead:]
+        for layer in self._cache.layers:
+            layer.keys, layer.values = layer.keys[index, :, lead:], layer.values[index, :, lead:]
+
+    def _answer(self, r: Request) -> dict[str, Any]:
+        n = len(r.output_ids)
+        meta = {
+            "id": r.rid,
+            "prompt_tokens": len(r.prompt),
+            "completion_tokens": n,
+            "finish_reason": r.finish,
+            "weight_version": self.version(),
+        }
+        if r.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
+        return {"text": self.tokenizer.decode(r.output_ids, skip_special_tokens=True), "output_ids": list(r.output_ids),
+                "meta_info": meta}
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad dim 1 (mask) or dim 2 (cache ``[B, H, T, D]``) on the left with zeros up to ``width``."""
+    dim = 1 if t.dim() == 2 else 2
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)

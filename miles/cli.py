@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -57,7 +58,11 @@ def _cmd_engine_serve(args: argparse.Namespace) -> int:
 
     if not (Path(args.model) / "config.json").is_file():
         raise ConfigError(f"--model {args.model!r} is not an HF model directory (no config.json there)")
-    serve(args.model, host=args.host, port=args.port, seed=args.seed)
+    token = args.admin_token or os.environ.get("MILES_ADMIN_TOKEN", "")
+    try:
+        serve(args.model, host=args.host, port=args.port, seed=args.seed, admin_token=token)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     return 0
 
 
@@ -86,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--admin-token", default="", help="required for weight/admin endpoints off loopback")
     serve.set_defaults(func=_cmd_engine_serve)
     return parser
 

@@ -141,11 +141,16 @@ def test_continuous_batching_short_request_overtakes_a_long_one(engine, tiny_mod
 def test_abort_returns_what_was_generated(engine):
     async def go():
         task = asyncio.ensure_future(engine.generate([4, 13, 5, 14], {"max_new_tokens": 120, "ignore_eos": True}, rid="r1"))
-        await asyncio.sleep(0.05)
+        start = engine.batcher.stats["decode_steps"]
+        while engine.batcher.stats["decode_steps"] < start + 5:
+            await asyncio.sleep(0.001)
+        engine.pause()  # hold it mid-way, so the abort cannot arrive after the end
         assert engine.abort("r1") == 1
-        return await task
+        answer = await task
+        engine.resume()
+        return answer
 
     answer = asyncio.run(go())
     assert answer["meta_info"]["finish_reason"]["type"] == "abort"
-    assert 0 < len(answer["output_ids"]) < 120
+    assert 5 <= len(answer["output_ids"]) < 120
     assert len(answer["meta_info"]["output_token_logprobs"]) == len(answer["output_ids"])

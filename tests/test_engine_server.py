@@ -134,3 +134,105 @@ def test_health_answers_while_a_long_generation_runs(server):
     finished["health"] = time.monotonic()
     worker.join()
     assert finished["health"] < finished["generate"]
+
+
+def test_update_weights_from_tensor(server, tmp_path):
+    from miles.engine.weights_io import encode_named_tensors
+
+    params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", seed=7))
+    status, result = call(server, "/update_weights_from_tensor",
+                          {"serialized_named_tensors": encode_named_tensors(model.state_dict())})
+    assert status == 200
+    _, answer = call(server, "/generate", {"input_ids": [3, 13, 9, 14], "sampling_params": params, "return_logprob": True})
+    assert answer["meta_info"]["weight_version"] == result["weight_version"]
+    ids = torch.tensor([[3, 13, 9, 14] + answer["output_ids"]])
+    with torch.no_grad():
+        expected = torch.log_softmax(model(ids).logits[0, 3:-1], -1).gather(1, ids[0, 4:, None]).squeeze(1)
+    got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, expected, atol=1e-4)  # the new weights serve, all of them
+
+    bad = dict(model.state_dict())
+    bad.pop(next(iter(bad)))
+    status, error = call(server, "/update_weights_from_tensor", {"serialized_named_tensors": encode_named_tensors(bad)})
+    assert status == 400 and "weight update refused" in error["error"] and "(missing)" in error["error"]
+    assert call(server, "/health")[1]["weight_version"] == result["weight_version"]  # old weights keep serving
+    assert call(server, "/update_weights_from_tensor", {"serialized_named_tensors": "!!"})[0] == 400
+
+
+def test_update_weights_from_distributed(server, tmp_path):
+    import threading
+
+    from miles.engine.weights_io import broadcast_tensors, open_weight_group
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", seed=11))
+    state = model.state_dict()
+    port = free_port()
+    joined = {}
+    thread = threading.Thread(target=lambda: joined.update(answer=call(server, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 0, "world_size": 2, "backend": "gloo"})))
+    thread.start()
+    group = open_weight_group("127.0.0.1", port, 0, 2)
+    thread.join()
+    assert joined["answer"] == (200, {"success": True, "rank": 1})
+
+    sent = {}
+    thread = threading.Thread(target=lambda: sent.update(answer=call(server, "/update_weights_from_distributed", {
+        "names": list(state), "dtypes": ["float32"] * len(state), "shapes": [list(t.shape) for t in state.values()]})))
+    thread.start()
+    broadcast_tensors(group, list(state.values()))
+    thread.join()
+    status, result = sent["answer"]
+    assert status == 200
+    _, answer = call(server, "/generate", {"input_ids": [5, 13, 2, 14], "return_logprob": True,
+                                           "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}})
+    ids = torch.tensor([[5, 13, 2, 14] + answer["output_ids"]])
+    with torch.no_grad():
+        expected = torch.log_softmax(model(ids).logits[0, 3:-1], -1).gather(1, ids[0, 4:, None]).squeeze(1)
+    got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, expected, atol=1e-4)
+
+
+def test_pause_holds_requests_and_abort_answers_them(server):
+    import threading
+
+    assert call(server, "/pause_generation", {})[1]["success"]
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(answer=call(server, "/generate", {
+        "input_ids": [4, 13, 5, 14], "rid": "held-1", "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}})))
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive()  # paused: nothing is generated
+    assert call(server, "/abort_request", {"rid": "held-1"}) == (200, {"success": True, "aborted": 1})
+    thread.join(timeout=30)
+    status, answer = out["answer"]
+    assert status == 200 and answer["meta_info"]["finish_reason"]["type"] == "abort"
+    assert answer["output_ids"] == []
+    assert call(server, "/continue_generation", {})[1]["success"]
+    assert call(server, "/abort_request", {})[0] == 400
+
+
+def test_admin_token_guards_admin_endpoints(tiny_model_dir, miles_cli):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILES_ADMIN_TOKEN": "s3cret"}
+    proc = subprocess.Popen([sys.executable, "-m", "miles", "engine", "serve", "--model", str(tiny_model_dir),
+                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if call(base, "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        assert call(base, "/pause_generation", {})[0] == 401
+        request = urllib.request.Request(base + "/pause_generation", data=b"{}", headers={
+            "Content-Type": "application/json", "Authorization": "Bearer s3cret"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    refused = miles_cli("engine", "serve", "--model", str(tiny_model_dir), "--host", "0.0.0.0", "--port", str(port),
+                        env={"MILES_ADMIN_TOKEN": ""})
+    assert refused.returncode == 2 and "needs an admin token" in refused.stderr

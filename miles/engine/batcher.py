@@ -102,19 +102,20 @@ class ContinuousBatcher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and (self._paused or not (self._queue or self._rows)):
+                while not (self._closed or self._has_aborted() or (not self._paused and (self._queue or self._rows))):
                     self._cond.wait()
                 if self._closed:
                     return
-                room = max(0, self.max_batch_size - len(self._rows))
+                self._queue = [r for r in self._queue if not self._finish_if_aborted(r)]
+                room = 0 if self._paused else max(0, self.max_batch_size - len(self._rows))
                 admitted, self._queue = self._queue[:room], self._queue[room:]
+                paused = self._paused
             with self.step_lock:
                 try:
                     self._retire_aborted()
-                    live = [r for r in admitted if not self._finish_if_aborted(r)]
-                    if live:
-                        self._admit(live)
-                    if self._rows:
+                    if admitted:
+                        self._admit(admitted)
+                    if self._rows and not paused:
                         self._decode()
                 except Exception as exc:  # fail what is in flight; keep serving
                     for r in admitted + self._rows:
@@ -128,6 +129,9 @@ class ContinuousBatcher:
         self._mask = torch.zeros((0, 0), dtype=torch.long)
         self._next_pos = torch.zeros(0, dtype=torch.long)
         self._pending = torch.zeros(0, dtype=torch.long)
+
+    def _has_aborted(self) -> bool:
+        return any(r.aborted and r.finish is None for r in self._queue + self._rows)
 
     def _finish_if_aborted(self, r: Request) -> bool:
         if r.aborted and r.finish is None:

@@ -1,0 +1,50 @@
+"""Moving weights between processes: safetensors bytes over HTTP, and a gloo (NCCL on GPU) group.
+
+``/update_weights_from_tensor`` carries ``serialized_named_tensors`` as base64 safetensors bytes
+(SGLang's field name; its encoding here is safetensors rather than pickle, so a request cannot run
+code). The distributed path builds its own process group from a TCP store, so it never touches the
+default group a training backend may use.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+__all__ = ["encode_named_tensors", "decode_named_tensors", "open_weight_group", "broadcast_tensors"]
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def encode_named_tensors(tensors: dict[str, torch.Tensor]) -> str:
+    # clone: tied parameters (embeddings and LM head) share storage, which safetensors refuses
+    return base64.b64encode(save_safetensors({k: v.detach().cpu().clone() for k, v in tensors.items()})).decode()
+
+
+def decode_named_tensors(payload: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_safetensors(base64.b64decode(payload, validate=True))
+    except Exception as exc:
+        raise ValueError(f"serialized_named_tensors: not base64 safetensors bytes ({type(exc).__name__}: {exc})") from exc
+
+
+def open_weight_group(master_address: str, master_port: int, rank: int, world_size: int,
+                      backend: str = "gloo", timeout_s: float = 60.0):
+    """Join (rank > 0) or host (rank 0) a weight-broadcast group of ``world_size`` processes."""
+    if backend != "gloo":
+        raise ValueError(f"backend: only 'gloo' is available here, got {backend!r}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, int(master_port), int(world_size), rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    return dist.ProcessGroupGloo(store, int(rank), int(world_size), timeout)
+
+
+def broadcast_tensors(group, tensors: list[torch.Tensor]) -> None:
+    """Broadcast each tensor from rank 0, in order (receivers pass preallocated tensors)."""
+    for tensor in tensors:
+        group.broadcast(tensor, 0).wait()

@@ -6,7 +6,7 @@ The components (engine, backend, reward ...) are assembled by :mod:`miles.runner
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any, Callable
 
@@ -28,7 +28,7 @@ class Components:
     train_data: PromptSource
     rollout_fn: Callable
     rollout_ctx: RolloutContext
-    engines: list[Any]
+    plane: Any  # miles.rollout.plane.RolloutPlane
     reward_fn: Callable
     selectors: list[Callable]
     advantage_fn: Callable
@@ -39,6 +39,7 @@ class Components:
     prompts_per_step: int
     n_samples: int
     max_failed_frac: float
+    router_stats_seen: dict[str, int] = field(default_factory=dict)
 
 
 def _check_failures(step: int, samples: list[Sample], max_failed_frac: float) -> int:
@@ -90,7 +91,7 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
         metrics.update(c.backend.train_step(batch, c.loss_fn))
         train_s = time.perf_counter() - train_start
         sync_start = time.perf_counter()
-        c.transport.push(c.backend, c.engines)
+        c.transport.push(c.backend, c.plane, version=step + 1)
         sync_s = time.perf_counter() - sync_start
         metrics["train/tokens_per_s"] = int(batch.attention_mask.sum()) / train_s
     else:
@@ -98,7 +99,12 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     metrics["train/samples"] = len(train_samples)
     metrics["time/train_s"] = train_s
     metrics["time/weight_sync_s"] = sync_s
-    metrics["weight_version"] = c.engines[0].weight_version
+    metrics["weight_version"] = c.plane.weight_version
+    if c.plane.router is not None:
+        stats, seen = c.plane.router.stats, c.router_stats_seen
+        for key in ("engine_failures", "retries"):
+            metrics[f"rollout/{key}"] = stats[key] - seen.get(key, 0)
+            seen[key] = stats[key]
     metrics["time/step_s"] = time.perf_counter() - start
     return metrics
 

@@ -21,13 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from miles.config import load_config, validate_config
-from miles.config.validate import component_node
+from miles.config.validate import component_node, split_node
 from miles.errors import DataError
 from miles.loop import Components, evaluate, rl_step, sft_step
 from miles.models import build_model_dir, load_tokenizer
 from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
 from miles.rollout.context import RolloutContext
+from miles.rollout.plane import RolloutPlane
 from miles.rollout.data_source import Prompt, PromptSource, read_rows
 
 __all__ = ["Prepared", "prepare", "train", "plugin_stack"]
@@ -122,6 +123,7 @@ class _Run:
     source_args: dict[str, Any]
     eval_prompts: list[Prompt]
     loggers: list[Any]
+    closing: ExitStack
     times: dict[str, float] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
 
@@ -150,12 +152,48 @@ def _sft_phase(run: _Run, model_path: str) -> str:
     return out
 
 
+def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
+    """One in-process engine, or ``num_engines`` engines served over HTTP by Ray actors behind a router."""
+    p = run.p
+    engine_args, extra = split_node(p.config.rollout.engine, "rollout.engine")
+    num_engines = extra.get("num_engines", 0)
+    if num_engines == 0:
+        engine = p.registry.build("rollout_engine", engine_args, "rollout.engine")
+        engine.load_model(model_path)
+        return RolloutPlane(local_engines=[engine])
+
+    from miles.cluster import RayCluster
+    from miles.rollout.ray_engines import launch_engines, shutdown_engines
+
+    cluster_cfg = p.config.cluster
+    cluster = RayCluster(cluster_cfg, run.run_dir)
+    run.closing.callback(cluster.shutdown)
+    engine_args.pop("name")
+    plane_ref: list[RolloutPlane] = []
+
+    async def readmit(endpoint: Any) -> None:  # a restarted engine gets the current weights before serving
+        if plane_ref:
+            await transport.catch_up(plane_ref[0], endpoint)
+
+    router, actors, group = launch_engines(
+        cluster.ray, num_engines, model_path, engine_args, cpus_per_engine=cluster_cfg.cpus_per_engine,
+        multi_node=cluster.multi_node, startup_timeout_s=cluster_cfg.engine_startup_timeout_s,
+        router_args={**OmegaConf.to_container(cluster_cfg.router), "on_readmit": readmit},
+    )
+    run.closing.callback(shutdown_engines, cluster.ray, actors, group)
+    plane = RolloutPlane(router=router)
+    plane_ref.append(plane)
+    plane.run(router.wait_healthy(timeout_s=cluster_cfg.engine_startup_timeout_s))
+    return plane
+
+
 def _rl_phase(run: _Run, model_path: str) -> str:
     """RL steps with evaluations before and after; returns the final checkpoint."""
     p, config, run_cfg = run.p, run.p.config, run.p.config.run
     start = time.perf_counter()
-    engine = p.build("rollout_engine", "rollout.engine")
-    engine.load_model(model_path)
+    transport = p.build("weight_transport", "rollout.weight_sync")
+    plane = _rollout_plane(run, model_path, transport)
+    run.closing.callback(plane.close)
     backend = p.build("backend", "backend")
     backend.setup(model_path, seed=run.seed)
     sampling = OmegaConf.to_container(config.rollout.sampling)
@@ -163,21 +201,21 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         pm=p.pm,
         train_data=PromptSource(run.train_rows, run.tokenizer, shuffle=config.data.shuffle, **run.source_args),
         rollout_fn=p.build("rollout_fn", "rollout.fn"),
-        rollout_ctx=RolloutContext(engine=engine, tokenizer=run.tokenizer, sampling_params=sampling),
-        engines=[engine],
+        rollout_ctx=RolloutContext(engine=plane.client, tokenizer=run.tokenizer, sampling_params=sampling, run=plane.run),
+        plane=plane,
         reward_fn=p.build("reward", "reward"),
         selectors=[p.registry.build("data_selector", component_node(n), f"selection[{i}]")
                    for i, n in enumerate(config.selection)],
         advantage_fn=p.build("advantage", "advantage"),
         loss_fn=p.build("loss", "loss"),
         backend=backend,
-        transport=p.build("weight_transport", "rollout.weight_sync"),
+        transport=transport,
         pad_token_id=run.pad_token_id,
         prompts_per_step=config.rollout.prompts_per_step,
         n_samples=config.rollout.n_samples,
         max_failed_frac=run_cfg.max_failed_frac,
     )
-    greedy = RolloutContext(engine=engine, tokenizer=run.tokenizer,
+    greedy = RolloutContext(engine=plane.client, tokenizer=run.tokenizer, run=plane.run,
                             sampling_params={**sampling, "temperature": 0.0, "top_p": 1.0, "top_k": -1})
     train_eval_prompts = c.train_data.prompts[: run_cfg.eval_size] if run.eval_prompts else []
     run.timed("setup", start)
@@ -259,7 +297,7 @@ def train(p: Prepared) -> dict[str, Any]:
             p, run_dir, seed, stack, tokenizer,
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             train_rows=read_rows(train_path, data_cfg.prompt_key, label_key), source_args=source_args,
-            eval_prompts=eval_prompts, loggers=loggers, summary={"run_dir": str(run_dir), "plugins": stack},
+            eval_prompts=eval_prompts, loggers=loggers, closing=closing, summary={"run_dir": str(run_dir), "plugins": stack},
         )
         run.timed("setup", started)
         if config.sft.steps > 0:

@@ -1,9 +1,13 @@
 """Builtin weight transports."""
 
 from miles import hookimpl
-from miles.train.weight_sync import InProcessTransport
+from miles.train.weight_sync import AutoTransport, DiskTransport, DistributedTransport, InProcessTransport, TensorTransport
 
 
 @hookimpl(trylast=True)
 def miles_register_weight_transports(register):
+    register("auto", AutoTransport)
     register("in_process", InProcessTransport)
+    register("tensor", TensorTransport)
+    register("disk", DiskTransport)
+    register("distributed", DistributedTransport)

@@ -73,8 +73,8 @@ class SamplingConfig:
 @dataclass
 class RolloutConfig:
     fn: Any = _component("single_turn")
-    engine: Any = _component("local")
-    weight_sync: Any = _component("in_process")
+    engine: Any = _component("local")  # num_engines: 0 runs it in process; N >= 1 serves N over HTTP as Ray actors
+    weight_sync: Any = _component("auto")
     prompts_per_step: int = 16
     n_samples: int = 8
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -101,6 +101,24 @@ class RunConfig:
 
 
 @dataclass
+class RouterConfig:
+    health_interval_s: float = 1.0
+    max_failures: int = 3  # failed health checks before an engine is quarantined
+    max_retries: int = 3  # a failed request is retried on another engine this many times
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class ClusterConfig:
+    address: Optional[str] = None  # an existing Ray cluster ("auto", "ray://host:10001"); null starts a local one
+    num_cpus: Optional[int] = None  # CPUs of the local Ray instance; null: all of this machine's
+    object_store_mb: int = 256
+    cpus_per_engine: float = 1.0
+    engine_startup_timeout_s: float = 120.0
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+
+@dataclass
 class MilesConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -112,6 +130,7 @@ class MilesConfig:
     selection: Any = field(default_factory=list)
     backend: Any = _component("torch")
     run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 # Where component nodes live, and which kind each names. A null node is allowed where noted.
@@ -127,4 +146,6 @@ COMPONENT_NODES: dict[str, str] = {
     "data.generator": "data_generator",
 }
 OPTIONAL_NODES = {"data.generator"}
+# Keys of a component node that configure how it is run rather than the component itself.
+ORCHESTRATION_KEYS: dict[str, tuple[str, ...]] = {"rollout.engine": ("num_engines",)}
 COMPONENT_LISTS: dict[str, str] = {"selection": "data_selector", "run.loggers": "logger"}

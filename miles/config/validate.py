@@ -8,11 +8,11 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from miles.config.schema import COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES
+from miles.config.schema import COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES, ORCHESTRATION_KEYS
 from miles.errors import ConfigError
 from miles.registry import Registry
 
-__all__ = ["validate_config", "component_node"]
+__all__ = ["validate_config", "component_node", "split_node"]
 
 # (key, predicate, what is expected)
 _RANGES: list[tuple[str, Any, str]] = [
@@ -29,6 +29,11 @@ _RANGES: list[tuple[str, Any, str]] = [
     ("rollout.sampling.temperature", lambda v: v >= 0, "a number >= 0 (0 is greedy)"),
     ("rollout.sampling.top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
     ("rollout.sampling.top_k", lambda v: v == -1 or v >= 1, "-1 (off) or a whole number >= 1"),
+    ("cluster.object_store_mb", lambda v: v >= 75, "at least 75 (Ray's minimum)"),
+    ("cluster.cpus_per_engine", lambda v: v > 0, "a positive number"),
+    ("cluster.engine_startup_timeout_s", lambda v: v > 0, "a positive number of seconds"),
+    ("cluster.router.max_retries", lambda v: v >= 0, "a whole number >= 0"),
+    ("cluster.router.max_failures", lambda v: v >= 1, "a whole number >= 1"),
     ("data.chat_template", lambda v: v in ("auto", "true", "false", True, False), "auto, true or false"),
 ]
 
@@ -44,12 +49,26 @@ def component_node(node: Any) -> dict[str, Any]:
     raise TypeError(type(node).__name__)
 
 
+def split_node(node: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(component arguments, orchestration keys) of a node."""
+    plain = component_node(node)
+    extra = {k: plain.pop(k) for k in ORCHESTRATION_KEYS.get(where, ()) if k in plain}
+    return plain, extra
+
+
 def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[str]:
     try:
-        plain = component_node(node)
+        plain, extra = split_node(node, where)
     except TypeError:
         return [f"{where}: expected a mapping with 'name' (the {kind} to use) and its arguments, got {node!r}"]
-    return registry.check(kind, plain, where)
+    problems = registry.check(kind, plain, where)
+    engines = extra.get("num_engines", 0)
+    if isinstance(engines, bool) or not isinstance(engines, int) or engines < 0:
+        problems.append(f"{where}.num_engines: expected a whole number >= 0 (0: in process), got {engines!r}")
+    elif engines > 0 and plain.get("name") != "local":
+        problems.append(f"{where}.num_engines: engines over HTTP are launched for the 'local' engine only, "
+                        f"got {plain.get('name')!r}")
+    return problems
 
 
 def validate_config(config: DictConfig, registry: Registry) -> None:

@@ -57,8 +57,11 @@ class LocalEngine:
             self.batcher.close()
             self.batcher = None
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
-        """Load new weights as a whole (all or nothing) between two decode steps; bump the version."""
+    def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: int | None = None) -> int:
+        """Load new weights as a whole (all or nothing) between two decode steps.
+
+        The version becomes ``weight_version`` when given (the trainer's policy version), else it is bumped.
+        """
         current = self.model.state_dict()
         problems = [n for n in state_dict if n not in current]
         problems += [f"{n} (missing)" for n in current if n not in state_dict]
@@ -72,7 +75,7 @@ class LocalEngine:
         with self.batcher.step_lock, torch.no_grad():
             for name, tensor in state_dict.items():
                 current[name].copy_(tensor)
-            self.weight_version += 1
+            self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         return self.weight_version
 
     def abort(self, rid: str | None = None) -> int:

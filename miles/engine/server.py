@@ -122,7 +122,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         return _bad_request(f"model_path: expected an HF model directory, got {path!r}")
     from miles.models import load_model
 
-    return await _apply(request, load_model(path).state_dict())
+    return await _apply(request, load_model(path).state_dict(), body)
 
 
 async def abort_request(request: web.Request) -> web.Response:
@@ -134,10 +134,14 @@ async def abort_request(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "aborted": count})
 
 
-async def _apply(request: web.Request, tensors: dict) -> web.Response:
+async def _apply(request: web.Request, tensors: dict, body: dict) -> web.Response:
     engine = request.app[ENGINE]
+    version = body.get("weight_version")
+    if version is not None and not (isinstance(version, int) or str(version).isdigit()):
+        return _bad_request(f"weight_version: expected an integer, got {version!r}")
     try:
-        version = await asyncio.get_running_loop().run_in_executor(None, engine.update_weights, tensors)
+        version = await asyncio.get_running_loop().run_in_executor(
+            None, engine.update_weights, tensors, None if version is None else int(version))
     except ValueError as exc:
         return _bad_request(str(exc))
     return web.json_response({"success": True, "weight_version": version})
@@ -152,7 +156,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         tensors = decode_named_tensors(payload)
     except ValueError as exc:
         return _bad_request(str(exc))
-    return await _apply(request, tensors)
+    return await _apply(request, tensors, body)
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
@@ -183,7 +187,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         return _bad_request(f"dtypes: expected names among {', '.join(DTYPES)}, got {sorted(set(dtypes) - set(DTYPES))}")
     tensors = {n: torch.empty(tuple(s), dtype=DTYPES[d]) for n, d, s in zip(names, dtypes, shapes)}
     await asyncio.get_running_loop().run_in_executor(None, broadcast_tensors, group, list(tensors.values()))
-    return await _apply(request, tensors)
+    return await _apply(request, tensors, body)
 
 
 def build_app(engine: LocalEngine, admin_token: str = "") -> web.Application:

@@ -41,9 +41,12 @@ async def _run_one(rollout_fn: Callable, sample: Sample, ctx: RolloutContext) ->
 
 
 def run_rollouts(groups: list[Group], rollout_fn: Callable, ctx: RolloutContext) -> None:
-    """Fill every sample of ``groups`` in place; failures are recorded on the samples."""
+    """Fill every sample of ``groups`` in place; failures are recorded on the samples.
+
+    The rollouts run on ``ctx.run`` (the rollout plane's event loop) when set, else on a fresh loop.
+    """
 
     async def _all() -> None:
         await asyncio.gather(*(_run_one(rollout_fn, s, ctx) for g in groups for s in g.samples))
 
-    asyncio.run(_all())
+    (ctx.run or asyncio.run)(_all())

@@ -1,17 +1,172 @@
-"""Weight transports: how a backend's new weights reach the rollout engines."""
+"""Weight transports: how a backend's new weights reach the rollout engines.
+
+``push(backend, plane, version)`` sends the backend's current weights to every engine of the rollout
+plane, tagged with the policy version, and returns the bytes moved. ``catch_up(plane, engine)``
+brings one re-admitted engine (e.g. restarted after a crash) to the last pushed weights.
+Engines apply an update as a whole between two decode steps.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import shutil
+import socket
+import tempfile
+from pathlib import Path
 from typing import Any
 
-__all__ = ["InProcessTransport"]
+import torch
+
+from miles.engine.weights_io import broadcast_tensors, encode_named_tensors, open_weight_group
+from miles.errors import ConfigError
+
+__all__ = ["InProcessTransport", "TensorTransport", "DiskTransport", "DistributedTransport", "AutoTransport"]
+
+
+def _nbytes(weights: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
 
 
 class InProcessTransport:
-    """Registered as weight transport ``in_process``: copies tensors into engines in this process."""
+    """``in_process``: copies tensors into engines that live in this process."""
 
-    def push(self, backend: Any, engines: list[Any]) -> int:
+    def push(self, backend: Any, plane: Any, version: int) -> int:
+        if plane.remote:
+            raise ConfigError("rollout.weight_sync: 'in_process' needs in-process engines (rollout.engine.num_engines=0); "
+                              "use tensor, disk or distributed for engines served over HTTP")
         weights = backend.export_weights()
-        for engine in engines:
-            engine.update_weights(weights)
-        return sum(t.numel() * t.element_size() for t in weights.values())
+        for engine in plane.local_engines:
+            engine.update_weights(weights, version)
+        return _nbytes(weights)
+
+    def catch_up(self, plane: Any, engine: Any) -> None:
+        pass
+
+
+class TensorTransport:
+    """``tensor``: safetensors bytes posted to ``/update_weights_from_tensor`` of every engine."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, Any] | None = None
+
+    def push(self, backend: Any, plane: Any, version: int) -> int:
+        weights = backend.export_weights()
+        if not plane.remote:
+            for engine in plane.local_engines:
+                engine.update_weights(weights, version)
+            return _nbytes(weights)
+        self._last = {"serialized_named_tensors": encode_named_tensors(weights), "weight_version": version}
+        plane.post_all("/update_weights_from_tensor", self._last)
+        return _nbytes(weights)
+
+    async def catch_up(self, plane: Any, engine: Any) -> None:
+        if self._last is not None:
+            await plane.router.post(engine, "/update_weights_from_tensor", self._last)
+
+
+class DiskTransport:
+    """``disk``: the backend writes an HF checkpoint, engines load it with ``/update_weights_from_disk``."""
+
+    def __init__(self, dir: str | None = None, keep: int = 2) -> None:
+        self.dir = Path(dir) if dir else Path(tempfile.mkdtemp(prefix="miles-weights-"))
+        self.keep = max(1, keep)
+        self._written: list[Path] = []
+        self._last: dict[str, Any] | None = None
+
+    def push(self, backend: Any, plane: Any, version: int) -> int:
+        path = self.dir / f"v{version:08d}"
+        backend.save_pretrained(str(path))
+        self._written.append(path)
+        self._last = {"model_path": str(path), "weight_version": version}
+        if plane.remote:
+            plane.post_all("/update_weights_from_disk", self._last)
+        else:
+            from miles.models import load_model
+
+            state = load_model(path).state_dict()
+            for engine in plane.local_engines:
+                engine.update_weights(state, version)
+        while len(self._written) > self.keep:
+            shutil.rmtree(self._written.pop(0), ignore_errors=True)
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+    async def catch_up(self, plane: Any, engine: Any) -> None:
+        if self._last is not None:
+            await plane.router.post(engine, "/update_weights_from_disk", self._last)
+
+
+class DistributedTransport:
+    """``distributed``: one broadcast from this process (rank 0) to every engine over a gloo group
+    (NCCL on GPU); the group is rebuilt whenever the set of healthy engines changes."""
+
+    def __init__(self, master_address: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
+        self.master_address = master_address
+        self.timeout_s = timeout_s
+        self._group: Any = None
+        self._members: tuple[str, ...] = ()
+        self._fallback = TensorTransport()
+
+    def _ensure_group(self, plane: Any) -> None:
+        members = tuple(e.url for e in plane.router.healthy)
+        if self._group is not None and members == self._members:
+            return
+        with socket.socket() as s:
+            s.bind((self.master_address, 0))
+            port = s.getsockname()[1]
+        engines = plane.router.healthy
+
+        async def join_all() -> list[Any]:
+            return await asyncio.gather(*(plane.router.post(e, "/init_weights_update_group", {
+                "master_address": self.master_address, "master_port": port, "rank_offset": i,
+                "world_size": len(engines) + 1, "backend": "gloo", "group_name": "miles"}, self.timeout_s)
+                for i, e in enumerate(engines)))
+
+        joined = asyncio.run_coroutine_threadsafe(join_all(), plane.aio.loop)
+        self._group = open_weight_group(self.master_address, port, 0, len(engines) + 1, timeout_s=self.timeout_s)
+        joined.result(self.timeout_s)
+        self._members = members
+
+    def push(self, backend: Any, plane: Any, version: int) -> int:
+        weights = backend.export_weights()
+        if not plane.remote:
+            for engine in plane.local_engines:
+                engine.update_weights(weights, version)
+            return _nbytes(weights)
+        self._fallback._last = None
+        self._ensure_group(plane)
+        tensors = [t.detach().contiguous() for t in weights.values()]
+        body = {"names": list(weights), "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "shapes": [list(t.shape) for t in tensors], "group_name": "miles", "weight_version": version}
+
+        async def post_all() -> list[Any]:
+            return await asyncio.gather(*(plane.router.post(e, "/update_weights_from_distributed", body, self.timeout_s)
+                                          for e in plane.router.healthy))
+
+        posted = asyncio.run_coroutine_threadsafe(post_all(), plane.aio.loop)
+        broadcast_tensors(self._group, tensors)
+        posted.result(self.timeout_s)
+        self._snapshot = ({k: v.clone() for k, v in weights.items()}, version)
+        return _nbytes(weights)
+
+    async def catch_up(self, plane: Any, engine: Any) -> None:
+        snapshot = getattr(self, "_snapshot", None)
+        if snapshot is not None:
+            weights, version = snapshot
+            await plane.router.post(engine, "/update_weights_from_tensor", {
+                "serialized_named_tensors": encode_named_tensors(weights), "weight_version": version})
+
+
+class AutoTransport:
+    """``auto`` (the default): ``in_process`` for an in-process engine, ``tensor`` for engines over HTTP."""
+
+    def __init__(self) -> None:
+        self._local, self._remote = InProcessTransport(), TensorTransport()
+
+    def _pick(self, plane: Any) -> Any:
+        return self._remote if plane.remote else self._local
+
+    def push(self, backend: Any, plane: Any, version: int) -> int:
+        return self._pick(plane).push(backend, plane, version)
+
+    async def catch_up(self, plane: Any, engine: Any) -> None:
+        await self._remote.catch_up(plane, engine)

@@ -1,0 +1,85 @@
+"""The rollout plane as the loop sees it: an event loop of its own, the engines, and how to reach them.
+
+Local: one in-process :class:`LocalEngine`. Remote: N engines served over HTTP (Ray actors, or
+any SGLang-compatible servers) behind a :class:`Router`. Either way rollout functions call
+``plane.client.generate(...)`` and weight transports reach engines through the plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from miles.rollout.router import EngineEndpoint, Router
+
+__all__ = ["EventLoopThread", "RolloutPlane"]
+
+T = TypeVar("T")
+
+
+class EventLoopThread:
+    """An asyncio loop running in a daemon thread; ``run`` executes a coroutine there and waits."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="miles-rollout", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+        self.loop.close()
+
+
+class RolloutPlane:
+    def __init__(self, *, local_engines: list[Any] = (), router: Router | None = None) -> None:
+        self.aio = EventLoopThread()
+        self.local_engines = list(local_engines)
+        self.router = router
+        if router is not None:
+            self.aio.run(router.start())
+
+    @property
+    def remote(self) -> bool:
+        return self.router is not None
+
+    @property
+    def client(self) -> Any:
+        """What rollout functions call ``generate`` on."""
+        return self.router if self.router is not None else self.local_engines[0]
+
+    @property
+    def weight_version(self) -> int:
+        if self.router is None:
+            return self.local_engines[0].weight_version
+        return max(e.weight_version for e in self.router.engines)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return self.aio.run(coro, timeout_s)
+
+    def post_all(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> list[Any]:
+        """POST to every engine that is not quarantined (a quarantined one catches up when re-admitted)."""
+        router = self.router
+
+        async def go() -> list[Any]:
+            return await asyncio.gather(*(router.post(e, path, body, timeout_s) for e in router.healthy))
+
+        return self.run(go())
+
+    def post_one(self, engine: EngineEndpoint, path: str, body: dict[str, Any]) -> Any:
+        return self.run(self.router.post(engine, path, body))
+
+    def close(self) -> None:
+        if self.router is not None:
+            self.aio.run(self.router.close())
+        for engine in self.local_engines:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
+        self.aio.close()

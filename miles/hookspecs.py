@@ -89,8 +89,9 @@ def miles_register_rollout_engines(register: Register) -> None:
 
     The registered factory is called with the node's arguments and returns an object with
     ``load_model(path)``, ``async generate(input_ids, sampling_params, return_logprob)`` returning an
-    SGLang-shaped answer (``output_ids`` and ``meta_info``), ``update_weights(state_dict)`` and
-    ``weight_version``.
+    SGLang-shaped answer (``output_ids`` and ``meta_info``), ``update_weights(state_dict,
+    weight_version)`` and ``weight_version``. With ``num_engines >= 1`` the engines are served over
+    HTTP with SGLang's protocol and reached through a router.
     """
 
 
@@ -117,8 +118,9 @@ def miles_register_weight_transports(register: Register) -> None:
     """Register weight transports, selected with ``rollout.weight_sync.name``.
 
     The factory is called with the node's arguments and returns an object whose
-    ``push(backend, engines) -> int`` sends the backend's current weights to every engine and returns
-    the number of bytes moved.
+    ``push(backend, plane, version) -> int`` sends the backend's current weights, tagged with the
+    policy version, to every engine of the rollout plane and returns the bytes moved, and whose
+    ``async catch_up(plane, engine)`` brings a re-admitted engine to the last pushed weights.
     """
 
 

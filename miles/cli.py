@@ -66,6 +66,14 @@ def _cmd_engine_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_router_serve(args: argparse.Namespace) -> int:
+    from miles.rollout.router_server import serve_router
+
+    serve_router(args.engine, host=args.host, port=args.port, health_interval_s=args.health_interval_s,
+                 max_failures=args.max_failures, max_retries=args.max_retries)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miles", description="RL post-training of language models.")
     parser.add_argument("--version", action="version", version=f"miles {__version__}")
@@ -93,6 +101,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--admin-token", default="", help="required for weight/admin endpoints off loopback")
     serve.set_defaults(func=_cmd_engine_serve)
+
+    router = sub.add_parser("router", help="the router in front of engines")
+    router_sub = router.add_subparsers(dest="router_command", required=True)
+    rserve = router_sub.add_parser("serve", help="serve one address in front of N SGLang-compatible engines")
+    rserve.add_argument("--engine", action="append", required=True, help="an engine URL (repeat for each)")
+    rserve.add_argument("--host", default="127.0.0.1")
+    rserve.add_argument("--port", type=int, default=30100)
+    rserve.add_argument("--health-interval-s", type=float, default=1.0)
+    rserve.add_argument("--max-failures", type=int, default=3)
+    rserve.add_argument("--max-retries", type=int, default=3)
+    rserve.set_defaults(func=_cmd_router_serve)
     return parser
 
 

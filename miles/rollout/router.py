@@ -92,6 +92,8 @@ class Router:
                 raise EngineRequestError(payload.get("error", str(payload)))
             if resp.status != 200:
                 raise RuntimeError(f"{engine.url}{path} answered HTTP {resp.status}: {payload}")
+            if isinstance(payload, dict) and isinstance(payload.get("weight_version"), int):
+                engine.weight_version = payload["weight_version"]  # weight updates answer with the new version
             return payload
 
     def _pick(self) -> EngineEndpoint | None:

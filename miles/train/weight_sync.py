@@ -60,7 +60,8 @@ class TensorTransport:
         return _nbytes(weights)
 
     async def catch_up(self, plane: Any, engine: Any) -> None:
-        if self._last is not None:
+        # Repeat if a push landed while this engine was catching up (it was not yet among the healthy).
+        while self._last is not None and engine.weight_version != self._last["weight_version"]:
             await plane.router.post(engine, "/update_weights_from_tensor", self._last)
 
 
@@ -91,7 +92,7 @@ class DiskTransport:
         return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
     async def catch_up(self, plane: Any, engine: Any) -> None:
-        if self._last is not None:
+        while self._last is not None and engine.weight_version != self._last["weight_version"]:
             await plane.router.post(engine, "/update_weights_from_disk", self._last)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 import torch
+from safetensors.torch import load as load_safetensors
 
 from miles.engine.local import LocalEngine
 from miles.engine.weights_io import DTYPES, broadcast_tensors, decode_named_tensors, open_weight_group
@@ -148,6 +149,13 @@ async def _apply(request: web.Request, tensors: dict, body: dict) -> web.Respons
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    if request.content_type == "application/octet-stream":  # raw safetensors bytes: no base64, no JSON
+        version = request.query.get("weight_version")
+        try:
+            tensors = load_safetensors(await request.read())
+        except Exception as exc:
+            return _bad_request(f"body: not safetensors bytes ({type(exc).__name__}: {exc})")
+        return await _apply(request, tensors, {} if version is None else {"weight_version": version})
     body = await _json_body(request)
     payload = body.get("serialized_named_tensors")
     if not isinstance(payload, str):

@@ -16,14 +16,20 @@ import torch.distributed as dist
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-__all__ = ["encode_named_tensors", "decode_named_tensors", "open_weight_group", "broadcast_tensors"]
+__all__ = ["tensor_bytes", "encode_named_tensors", "decode_named_tensors", "open_weight_group", "broadcast_tensors"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def encode_named_tensors(tensors: dict[str, torch.Tensor]) -> str:
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Safetensors bytes of named tensors."""
     # clone: tied parameters (embeddings and LM head) share storage, which safetensors refuses
-    return base64.b64encode(save_safetensors({k: v.detach().cpu().clone() for k, v in tensors.items()})).decode()
+    return save_safetensors({k: v.detach().cpu().clone() for k, v in tensors.items()})
+
+
+def encode_named_tensors(tensors: dict[str, torch.Tensor]) -> str:
+    """``serialized_named_tensors`` for the JSON form of ``/update_weights_from_tensor``."""
+    return base64.b64encode(tensor_bytes(tensors)).decode()
 
 
 def decode_named_tensors(payload: str) -> dict[str, torch.Tensor]:

@@ -63,12 +63,13 @@ class RolloutPlane:
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         return self.aio.run(coro, timeout_s)
 
-    def post_all(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> list[Any]:
+    def post_all(self, path: str, body: dict[str, Any] | bytes, timeout_s: float | None = None,
+                 params: dict[str, str] | None = None) -> list[Any]:
         """POST to every engine that is not quarantined (a quarantined one catches up when re-admitted)."""
         router = self.router
 
         async def go() -> list[Any]:
-            return await asyncio.gather(*(router.post(e, path, body, timeout_s) for e in router.healthy))
+            return await asyncio.gather(*(router.post(e, path, body, timeout_s, params) for e in router.healthy))
 
         return self.run(go())
 

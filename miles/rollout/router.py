@@ -84,9 +84,15 @@ class Router:
 
     # -- requests -----------------------------------------------------------------------------------
 
-    async def post(self, engine: EngineEndpoint, path: str, body: dict[str, Any], timeout_s: float | None = None) -> Any:
+    async def post(self, engine: EngineEndpoint, path: str, body: dict[str, Any] | bytes, timeout_s: float | None = None,
+                   params: dict[str, str] | None = None) -> Any:
+        """POST JSON (a dict) or raw bytes (``application/octet-stream``) to one engine."""
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
-        async with self._session.post(engine.url + path, json=body, headers=self.headers, timeout=timeout) as resp:
+        if isinstance(body, bytes):
+            kwargs: dict[str, Any] = {"data": body, "headers": {**self.headers, "Content-Type": "application/octet-stream"}}
+        else:
+            kwargs = {"json": body, "headers": self.headers}
+        async with self._session.post(engine.url + path, timeout=timeout, params=params, **kwargs) as resp:
             payload = await resp.json(content_type=None)
             if resp.status == 400:
                 raise EngineRequestError(payload.get("error", str(payload)))

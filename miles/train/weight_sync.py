@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from miles.engine.weights_io import broadcast_tensors, encode_named_tensors, open_weight_group
+from miles.engine.weights_io import broadcast_tensors, open_weight_group, tensor_bytes
 from miles.errors import ConfigError
 
 __all__ = ["InProcessTransport", "TensorTransport", "DiskTransport", "DistributedTransport", "AutoTransport"]
@@ -47,7 +47,7 @@ class TensorTransport:
     """``tensor``: safetensors bytes posted to ``/update_weights_from_tensor`` of every engine."""
 
     def __init__(self) -> None:
-        self._last: dict[str, Any] | None = None
+        self._last: tuple[bytes, int] | None = None
 
     def push(self, backend: Any, plane: Any, version: int) -> int:
         weights = backend.export_weights()
@@ -55,14 +55,15 @@ class TensorTransport:
             for engine in plane.local_engines:
                 engine.update_weights(weights, version)
             return _nbytes(weights)
-        self._last = {"serialized_named_tensors": encode_named_tensors(weights), "weight_version": version}
-        plane.post_all("/update_weights_from_tensor", self._last)
+        self._last = (tensor_bytes(weights), version)
+        plane.post_all("/update_weights_from_tensor", self._last[0], params={"weight_version": str(version)})
         return _nbytes(weights)
 
     async def catch_up(self, plane: Any, engine: Any) -> None:
         # Repeat if a push landed while this engine was catching up (it was not yet among the healthy).
-        while self._last is not None and engine.weight_version != self._last["weight_version"]:
-            await plane.router.post(engine, "/update_weights_from_tensor", self._last)
+        while self._last is not None and engine.weight_version != self._last[1]:
+            await plane.router.post(engine, "/update_weights_from_tensor", self._last[0],
+                                    params={"weight_version": str(self._last[1])})
 
 
 class DiskTransport:
@@ -105,7 +106,6 @@ class DistributedTransport:
         self.timeout_s = timeout_s
         self._group: Any = None
         self._members: tuple[str, ...] = ()
-        self._fallback = TensorTransport()
 
     def _ensure_group(self, plane: Any) -> None:
         members = tuple(e.url for e in plane.router.healthy)
@@ -133,7 +133,6 @@ class DistributedTransport:
             for engine in plane.local_engines:
                 engine.update_weights(weights, version)
             return _nbytes(weights)
-        self._fallback._last = None
         self._ensure_group(plane)
         tensors = [t.detach().contiguous() for t in weights.values()]
         body = {"names": list(weights), "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
@@ -153,8 +152,8 @@ class DistributedTransport:
         snapshot = getattr(self, "_snapshot", None)
         if snapshot is not None:
             weights, version = snapshot
-            await plane.router.post(engine, "/update_weights_from_tensor", {
-                "serialized_named_tensors": encode_named_tensors(weights), "weight_version": version})
+            await plane.router.post(engine, "/update_weights_from_tensor", tensor_bytes(weights),
+                                    params={"weight_version": str(version)})
 
 
 class AutoTransport:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +18,10 @@ __all__ = ["main"]
 def _cmd_train(args: argparse.Namespace) -> int:
     from miles.runner import prepare, train
 
+    def terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # unwind like Ctrl-C, so engines and Ray are shut down
+
+    signal.signal(signal.SIGTERM, terminate)
     train(prepare(args.config, args.overrides))
     return 0
 

@@ -1,10 +1,12 @@
-"""Ray for Miles: a local instance started on demand (capped object store, temp folder under the
-run directory), or an existing cluster joined with ``cluster.address``; shut down at exit."""
+"""Ray for Miles: a local instance started on demand (on 127.0.0.1, capped object store, temp folder
+under the run directory), or an existing cluster joined with ``cluster.address``; shut down at exit."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +24,27 @@ class RayCluster:
         self.started_here = False
         if ray.is_initialized():
             return
+        sigterm = signal.getsignal(signal.SIGTERM)
         kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING", "log_to_driver": True}
         if self.address:
             ray.init(address=self.address, **kwargs)
         else:
-            temp_dir = (run_dir / "ray").resolve()
-            if len(str(temp_dir)) > _MAX_TEMP_DIR:
-                temp_dir = Path("/tmp") / f"miles-ray-{hashlib.sha1(str(temp_dir).encode()).hexdigest()[:10]}"
+            temp_dir = self.temp_dir_for(run_dir)
             temp_dir.mkdir(parents=True, exist_ok=True)
             os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
             ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), object_store_memory=cfg.object_store_mb * 2**20,
-                     _temp_dir=str(temp_dir), **kwargs)
+                     _temp_dir=str(temp_dir), _node_ip_address="127.0.0.1", **kwargs)
         self.started_here = True
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, sigterm)  # ray.init installs its own, which exits without our clean-up
+
+    @staticmethod
+    def temp_dir_for(run_dir: Path) -> Path:
+        """``<run_dir>/ray``, or a short folder under /tmp when that path is too long for Ray's sockets."""
+        temp_dir = (run_dir / "ray").resolve()
+        if len(str(temp_dir)) > _MAX_TEMP_DIR:
+            temp_dir = Path("/tmp") / f"miles-ray-{hashlib.sha1(str(temp_dir).encode()).hexdigest()[:10]}"
+        return temp_dir
 
     @property
     def multi_node(self) -> bool:

@@ -94,3 +94,43 @@ def test_more_engines_than_the_machine_can_place_fail_fast(tmp_path):
         train(prepare("configs/quickstart.yaml", [
             f"run.dir={tmp_path}", "run.progress=false", "sft.steps=0", "run.steps=1", "run.eval_size=0",
             "rollout.engine.num_engines=3", "cluster.num_cpus=2", "cluster.engine_startup_timeout_s=5"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_run_leaves_no_ray_processes(tmp_path, sig):
+    import subprocess
+    import sys
+    import time
+
+    from miles.cluster import RayCluster
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "miles", "train", "configs/quickstart.yaml", f"run.dir={run_dir}",
+                             "run.progress=false", "rollout.engine.num_engines=1", "sft.steps=5"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    for _ in range(1200):
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("the run did not reach step 3: " + proc.communicate()[0][-2000:])
+    temp_dir = str(RayCluster.temp_dir_for(run_dir))
+    ray_processes = lambda: [l for l in subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True,  # noqa: E731
+                                                       text=True).stdout.splitlines() if temp_dir in l]
+    try:
+        assert ray_processes()  # Ray is running for this run
+        proc.send_signal(sig)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output[-2000:]
+    assert "miles: interrupted" in output
+    for _ in range(100):
+        if not ray_processes():
+            break
+        time.sleep(0.1)
+    assert ray_processes() == []

@@ -32,8 +32,17 @@ class EventLoopThread:
 
     def close(self) -> None:
         if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)
+            async def cancel_pending() -> None:
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+            try:
+                self.run(cancel_pending(), timeout_s=10)
+            finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join(timeout=10)
         self.loop.close()
 
 

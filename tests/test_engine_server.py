@@ -236,3 +236,13 @@ def test_admin_token_guards_admin_endpoints(tiny_model_dir, miles_cli):
     refused = miles_cli("engine", "serve", "--model", str(tiny_model_dir), "--host", "0.0.0.0", "--port", str(port),
                         env={"MILES_ADMIN_TOKEN": ""})
     assert refused.returncode == 2 and "needs an admin token" in refused.stderr
+
+
+def test_n_samples_per_prompt(server):
+    status, answers = call(server, "/generate", {"input_ids": [[4, 13, 5, 14], [7, 13, 2, 14]],
+                                                 "sampling_params": {"n": 3, "max_new_tokens": 2, "temperature": 0.0}})
+    assert status == 200 and len(answers) == 6
+    assert answers[0]["output_ids"] == answers[1]["output_ids"] == answers[2]["output_ids"]  # greedy: same per prompt
+    status, single = call(server, "/generate", {"input_ids": [4, 13], "sampling_params": {"n": 2, "max_new_tokens": 1}})
+    assert status == 200 and isinstance(single, list) and len(single) == 2
+    assert call(server, "/generate", {"input_ids": [4], "sampling_params": {"n": 0}})[0] == 400

@@ -95,6 +95,8 @@ class LocalEngine:
     ) -> dict[str, Any]:
         """One request, answered like SGLang's ``POST /generate`` (a ValueError names a bad field)."""
         params = SamplingParams.parse(sampling_params)
+        if params.n != 1:
+            raise ValueError("sampling_params.n: one call returns one sample; send n requests (or use the server)")
         self._check_prompt(input_ids)
         loop = asyncio.get_running_loop()
         future = loop.create_future()

@@ -77,17 +77,23 @@ async def generate(request: web.Request) -> web.Response:
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         return _bad_request("sampling_params: expected a JSON object")
+    n = params.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return _bad_request(f"sampling_params.n: expected an integer >= 1, got {n!r}")
+    params = {k: v for k, v in params.items() if k != "n"}
+    if batched:
+        rids = rid if isinstance(rid, list) and len(rid) == len(prompts) else [None] * len(prompts)
+    else:
+        rids = [rid]
     try:
-        if batched:
-            rids = rid if isinstance(rid, list) and len(rid) == len(prompts) else [None] * len(prompts)
-        else:
-            rids = [rid]
-        answers = await asyncio.gather(
-            *(engine.generate(p, params, bool(body.get("return_logprob", False)), rid=r) for p, r in zip(prompts, rids))
-        )
+        # n samples per prompt, prompt-major, as SGLang orders them
+        answers = await asyncio.gather(*(
+            engine.generate(p, params, bool(body.get("return_logprob", False)), rid=None if n > 1 else r)
+            for p, r in zip(prompts, rids) for _ in range(n)
+        ))
     except ValueError as exc:
         return _bad_request(str(exc))
-    return web.json_response(answers if batched else answers[0])
+    return web.json_response(answers if batched or n > 1 else answers[0])
 
 
 async def health(request: web.Request) -> web.Response:

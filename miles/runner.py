@@ -124,6 +124,7 @@ class _Run:
     eval_prompts: list[Prompt]
     loggers: list[Any]
     closing: ExitStack
+    cluster: Any = None  # miles.cluster.RayCluster, when engines run on Ray
     times: dict[str, float] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
 
@@ -166,7 +167,7 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
     from miles.rollout.ray_engines import launch_engines, shutdown_engines
 
     cluster_cfg = p.config.cluster
-    cluster = RayCluster(cluster_cfg, run.run_dir)
+    cluster = run.cluster = RayCluster(cluster_cfg, run.run_dir)
     run.closing.callback(cluster.shutdown)
     engine_args.pop("name")
     plane_ref: list[RolloutPlane] = []
@@ -195,6 +196,12 @@ def _rl_phase(run: _Run, model_path: str) -> str:
     plane = _rollout_plane(run, model_path, transport)
     run.closing.callback(plane.close)
     backend = p.build("backend", "backend")
+    if plane.remote:  # on Ray, the training plane is an actor too
+        from miles.train.ray_backend import launch_backend
+
+        backend = launch_backend(run.cluster.ray, backend, cpus=config.cluster.train_cpus,
+                                 startup_timeout_s=config.cluster.engine_startup_timeout_s)
+        run.closing.callback(backend.shutdown)
     backend.setup(model_path, seed=run.seed)
     sampling = OmegaConf.to_container(config.rollout.sampling)
     c = Components(

@@ -77,6 +77,7 @@ def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path):
         f"run.dir={tmp_path}", "run.progress=false", "sft.steps=20", f"run.steps={steps}", "run.eval_size=0",
         "rollout.engine.num_engines=2", "rollout.prompts_per_step=4", "rollout.n_samples=4",
         "rollout.fn.name=killing_single_turn", "rollout.sampling.max_new_tokens=4", "cluster.router.health_interval_s=0.2",
+        "cluster.num_cpus=3",  # two engines and the training worker, one logical CPU each
     ], extra_plugins=[("killer", killer)]))
     rows = metrics_of(tmp_path)
     assert [r["step"] for r in rows] == list(range(steps))
@@ -134,3 +135,30 @@ def test_interrupted_run_leaves_no_ray_processes(tmp_path, sig):
             break
         time.sleep(0.1)
     assert ray_processes() == []
+
+
+class SuicidalLoss:
+    """A loss that kills the process it runs in (the training worker) at step 2."""
+
+    @miles.hookimpl
+    def miles_register_losses(self, register):
+        from miles.builtin.losses import ppo_clip
+
+        def dying_ppo_clip(inputs):
+            if inputs.batch.samples[0].group_index >= 2 * 4:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return ppo_clip(inputs)
+
+        register("dying_ppo_clip", dying_ppo_clip)
+
+
+@pytest.mark.slow
+def test_training_worker_that_dies_fails_the_step_clearly(tmp_path):
+    with pytest.raises(RunError, match="the training worker died during train_step"):
+        train(prepare("configs/quickstart.yaml", [
+            f"run.dir={tmp_path}", "run.progress=false", "sft.steps=0", "run.steps=5", "run.eval_size=0",
+            "rollout.engine.num_engines=1", "rollout.prompts_per_step=4", "rollout.n_samples=4",
+            "loss.name=dying_ppo_clip"], extra_plugins=[("suicidal", SuicidalLoss())]))
+    rows = metrics_of(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]  # steps before the death are logged, nothing after
+    assert not (tmp_path / "final_model").exists()

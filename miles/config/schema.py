@@ -114,6 +114,7 @@ class ClusterConfig:
     num_cpus: Optional[int] = None  # CPUs of the local Ray instance; null: all of this machine's
     object_store_mb: int = 256
     cpus_per_engine: float = 1.0
+    train_cpus: float = 1.0  # CPUs reserved for the training worker actor
     engine_startup_timeout_s: float = 120.0
     router: RouterConfig = field(default_factory=RouterConfig)
 

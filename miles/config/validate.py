@@ -31,6 +31,7 @@ _RANGES: list[tuple[str, Any, str]] = [
     ("rollout.sampling.top_k", lambda v: v == -1 or v >= 1, "-1 (off) or a whole number >= 1"),
     ("cluster.object_store_mb", lambda v: v >= 75, "at least 75 (Ray's minimum)"),
     ("cluster.cpus_per_engine", lambda v: v > 0, "a positive number"),
+    ("cluster.train_cpus", lambda v: v > 0, "a positive number"),
     ("cluster.engine_startup_timeout_s", lambda v: v > 0, "a positive number of seconds"),
     ("cluster.router.max_retries", lambda v: v >= 0, "a whole number >= 0"),
     ("cluster.router.max_failures", lambda v: v >= 1, "a whole number >= 1"),

@@ -1,0 +1,80 @@
+"""The training plane as a Ray actor: the configured backend runs in its own process, placed in a
+placement-group bundle, and the loop drives it through a proxy with the same contract."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles.errors import RunError
+
+__all__ = ["BackendHost", "RemoteBackend", "launch_backend"]
+
+
+class BackendHost:
+    """Holds a backend inside the actor and runs its methods."""
+
+    def __init__(self, backend: Any, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        self.backend = backend
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.backend, method)(*args, **kwargs)
+
+
+class RemoteBackend:
+    """The driver's view of a backend in an actor (the :class:`miles.train.TrainBackend` contract)."""
+
+    def __init__(self, ray: Any, actor: Any, group: Any) -> None:
+        self._ray, self._actor, self._group = ray, actor, group
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._actor is None:
+            raise RunError(f"the training worker was shut down; cannot run {method}")
+        try:
+            return self._ray.get(self._actor.call.remote(method, *args, **kwargs))
+        except self._ray.exceptions.RayActorError as exc:
+            raise RunError(f"the training worker died during {method}: {exc}. The last checkpoint is untouched.") from exc
+
+    def setup(self, model_path: str, *, seed: int) -> None:
+        self._call("setup", model_path, seed=seed)
+
+    def train_step(self, batch: Any, loss_fn: Any) -> dict[str, float]:
+        return self._call("train_step", batch, loss_fn)
+
+    def export_weights(self) -> dict[str, Any]:
+        return self._call("export_weights")
+
+    def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
+        self._call("save_pretrained", path, tokenizer, metadata)
+
+    def shutdown(self) -> None:
+        """Shut the backend down and release its actor (once; later calls do nothing)."""
+        from ray.util.placement_group import remove_placement_group
+
+        if self._actor is None:
+            return
+        actor, self._actor = self._actor, None
+        try:
+            self._ray.get(actor.call.remote("shutdown"))
+        except self._ray.exceptions.RayActorError:
+            pass  # already gone
+        finally:
+            self._ray.kill(actor)
+            remove_placement_group(self._group)
+
+
+def launch_backend(ray: Any, backend: Any, *, cpus: float, startup_timeout_s: float) -> RemoteBackend:
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group([{"CPU": cpus}], strategy="PACK")
+    if not group.wait(startup_timeout_s):
+        remove_placement_group(group)
+        raise RunError(f"could not place the training worker ({cpus} CPU) within {startup_timeout_s} s; "
+                       f"the cluster has {ray.cluster_resources().get('CPU', 0)} CPUs")
+    actor = ray.remote(BackendHost).options(
+        num_cpus=cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+    ).remote(backend, max(1, int(cpus)))
+    return RemoteBackend(ray, actor, group)

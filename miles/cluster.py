@@ -10,6 +10,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from miles.errors import RunError
+
 __all__ = ["RayCluster"]
 
 _MAX_TEMP_DIR = 60  # Ray puts unix sockets under the temp dir; their paths must stay short
@@ -27,7 +29,13 @@ class RayCluster:
         sigterm = signal.getsignal(signal.SIGTERM)
         kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING", "log_to_driver": True}
         if self.address:
-            ray.init(address=self.address, **kwargs)
+            host = self.address.removeprefix("ray://").rsplit(":", 1)[0]
+            if host in ("127.0.0.1", "localhost"):
+                kwargs["_node_ip_address"] = "127.0.0.1"  # a cluster on this machine's loopback
+            try:
+                ray.init(address=self.address, **kwargs)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise RunError(f"cluster.address: cannot join the Ray cluster at {self.address!r}: {exc}") from exc
         else:
             temp_dir = self.temp_dir_for(run_dir)
             temp_dir.mkdir(parents=True, exist_ok=True)

@@ -246,3 +246,31 @@ def test_n_samples_per_prompt(server):
     status, single = call(server, "/generate", {"input_ids": [4, 13], "sampling_params": {"n": 2, "max_new_tokens": 1}})
     assert status == 200 and isinstance(single, list) and len(single) == 2
     assert call(server, "/generate", {"input_ids": [4], "sampling_params": {"n": 0}})[0] == 400
+
+
+@pytest.mark.parametrize("transport_name", ["tensor", "disk", "distributed"])
+def test_weight_transports_reach_a_real_engine(server, tmp_path, transport_name):
+    from miles.rollout.plane import RolloutPlane
+    from miles.rollout.router import Router
+    from miles.train.torch_backend import TorchBackend
+    from miles.train.weight_sync import DiskTransport, DistributedTransport, TensorTransport
+
+    transport = {"tensor": TensorTransport, "disk": lambda: DiskTransport(dir=str(tmp_path / "w")),
+                 "distributed": DistributedTransport}[transport_name]()
+    backend = TorchBackend()
+    backend.setup(str(build_tiny_model(tmp_path / "m", seed=21)), seed=0)
+    plane = RolloutPlane(router=Router([server]))
+    try:
+        for version in (40, 41):  # twice: the distributed group is reused
+            assert transport.push(backend, plane, version) > 0
+            assert call(server, "/health")[1]["weight_version"] == version
+    finally:
+        plane.close()
+    prompt = [5, 13, 2, 14]
+    _, answer = call(server, "/generate", {"input_ids": prompt, "return_logprob": True,
+                                           "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}})
+    ids = torch.tensor([prompt + answer["output_ids"]])
+    with torch.no_grad():
+        expected = torch.log_softmax(backend.model(ids).logits[0, 3:-1], -1).gather(1, ids[0, 4:, None]).squeeze(1)
+    got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, expected, atol=1e-4)

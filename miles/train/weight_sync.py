@@ -27,6 +27,13 @@ def _nbytes(weights: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 
 
+def _copy_to_local(plane: Any, weights: dict[str, torch.Tensor], version: int) -> int:
+    """Every transport degrades to a plain copy for engines in this process."""
+    for engine in plane.local_engines:
+        engine.update_weights(weights, version)
+    return _nbytes(weights)
+
+
 class InProcessTransport:
     """``in_process``: copies tensors into engines that live in this process."""
 
@@ -34,12 +41,9 @@ class InProcessTransport:
         if plane.remote:
             raise ConfigError("rollout.weight_sync: 'in_process' needs in-process engines (rollout.engine.num_engines=0); "
                               "use tensor, disk or distributed for engines served over HTTP")
-        weights = backend.export_weights()
-        for engine in plane.local_engines:
-            engine.update_weights(weights, version)
-        return _nbytes(weights)
+        return _copy_to_local(plane, backend.export_weights(), version)
 
-    def catch_up(self, plane: Any, engine: Any) -> None:
+    async def catch_up(self, plane: Any, engine: Any) -> None:
         pass
 
 
@@ -52,9 +56,7 @@ class TensorTransport:
     def push(self, backend: Any, plane: Any, version: int) -> int:
         weights = backend.export_weights()
         if not plane.remote:
-            for engine in plane.local_engines:
-                engine.update_weights(weights, version)
-            return _nbytes(weights)
+            return _copy_to_local(plane, weights, version)
         self._last = (tensor_bytes(weights), version)
         plane.post_all("/update_weights_from_tensor", self._last[0], params={"weight_version": str(version)})
         return _nbytes(weights)
@@ -85,9 +87,7 @@ class DiskTransport:
         else:
             from miles.models import load_model
 
-            state = load_model(path).state_dict()
-            for engine in plane.local_engines:
-                engine.update_weights(state, version)
+            _copy_to_local(plane, load_model(path).state_dict(), version)
         while len(self._written) > self.keep:
             shutil.rmtree(self._written.pop(0), ignore_errors=True)
         return sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -130,9 +130,7 @@ class DistributedTransport:
     def push(self, backend: Any, plane: Any, version: int) -> int:
         weights = backend.export_weights()
         if not plane.remote:
-            for engine in plane.local_engines:
-                engine.update_weights(weights, version)
-            return _nbytes(weights)
+            return _copy_to_local(plane, weights, version)
         self._ensure_group(plane)
         tensors = [t.detach().contiguous() for t in weights.values()]
         body = {"names": list(weights), "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],

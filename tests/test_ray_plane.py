@@ -162,3 +162,29 @@ def test_training_worker_that_dies_fails_the_step_clearly(tmp_path):
     rows = metrics_of(tmp_path)
     assert [r["step"] for r in rows] == [0, 1]  # steps before the death are logged, nothing after
     assert not (tmp_path / "final_model").exists()
+
+
+@pytest.mark.slow
+def test_joins_an_existing_ray_cluster(tmp_path, miles_cli):
+    """`ray start --head` on loopback, then `cluster.address=auto`: the same run, nothing else changed."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
+    subprocess.run([*ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=3",
+                    "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True)
+    try:
+        result = miles_cli("train", "configs/quickstart.yaml", f"run.dir={tmp_path}", "run.progress=false",
+                           "rollout.engine.num_engines=1", "cluster.address=auto", "run.steps=5", "sft.steps=5",
+                           "run.eval_size=0", env={"RAY_AUTH_MODE": "disabled"})
+    finally:
+        subprocess.run([*ray_cli, "stop"], env=env, capture_output=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_of(tmp_path)
+    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4, 5]
+    assert not (tmp_path / "ray").exists()  # the cluster's own temp folder was used, none started here

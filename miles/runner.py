@@ -170,20 +170,15 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
     cluster = run.cluster = RayCluster(cluster_cfg, run.run_dir)
     run.closing.callback(cluster.shutdown)
     engine_args.pop("name")
-    plane_ref: list[RolloutPlane] = []
-
-    async def readmit(endpoint: Any) -> None:  # a restarted engine gets the current weights before serving
-        if plane_ref:
-            await transport.catch_up(plane_ref[0], endpoint)
-
     router, actors, group = launch_engines(
         cluster.ray, num_engines, model_path, engine_args, cpus_per_engine=cluster_cfg.cpus_per_engine,
         multi_node=cluster.multi_node, startup_timeout_s=cluster_cfg.engine_startup_timeout_s,
-        router_args={**OmegaConf.to_container(cluster_cfg.router), "on_readmit": readmit},
+        router_args=OmegaConf.to_container(cluster_cfg.router),
     )
     run.closing.callback(shutdown_engines, cluster.ray, actors, group)
     plane = RolloutPlane(router=router)
-    plane_ref.append(plane)
+    # A restarted engine gets the current weights before it serves again.
+    router.on_readmit = lambda endpoint: transport.catch_up(plane, endpoint)
     plane.run(router.wait_healthy(timeout_s=cluster_cfg.engine_startup_timeout_s))
     return plane
 

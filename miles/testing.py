@@ -6,7 +6,7 @@ Use the fixtures with ``pytest_plugins = ["miles.testing"]`` in a ``conftest.py`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from omegaconf import OmegaConf
@@ -17,7 +17,13 @@ from miles.plugins import build_plugin_manager
 from miles.registry import Registry
 from miles.types import Sample, SampleStatus
 
-__all__ = ["build_tiny_model", "make_registry", "make_sample", "tiny_model_dir", "miles_registry"]
+if TYPE_CHECKING:
+    from miles.types import TrainBatch
+
+__all__ = [
+    "BackendConformance", "build_tiny_model", "make_registry", "make_sample", "make_train_batch", "tiny_model_dir",
+    "miles_registry",
+]
 
 ADDITION_ALPHABET = "0123456789+="
 
@@ -52,3 +58,105 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def miles_registry() -> Registry:
     """A registry of the builtins only (no installed plugins)."""
     return make_registry()
+
+
+def make_train_batch(seed: int = 0, rows: int = 6, group_size: int = 3) -> "TrainBatch":
+    """A small GRPO batch of varied lengths over the addition alphabet, advantages filled in."""
+    import torch
+
+    from miles.builtin.advantages import grpo
+    from miles.types import TrainBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(rows):
+        n = 2 + i % 3
+        samples.append(Sample(
+            prompt_ids=[4, 13, 5 + i % 2, 14], group_index=i // group_size, status=SampleStatus.COMPLETED,
+            response_ids=torch.randint(3, 14, (n,), generator=gen).tolist(), loss_mask=[1] * n,
+            rollout_logprobs=[-2.0] * n, reward=float(i % 2),
+        ))
+    batch = TrainBatch.from_samples(samples, pad_token_id=0)
+    batch.advantages = grpo(batch)
+    return batch
+
+
+class BackendConformance:
+    """The contract every training backend keeps. Subclass it in a test module of your backend:
+
+        class TestMyBackend(BackendConformance):
+            def make_backend(self, **split):
+                return MyBackend(lr=1e-3, **split)
+
+            split_options = ({"micro_batch_size": 6}, {"micro_batch_size": 2})  # or None
+
+    and pytest runs every check below against it (with ``pytest_plugins = ["miles.testing"]``).
+    """
+
+    split_options: tuple[dict, ...] | None = None
+
+    def make_backend(self, **split: Any) -> Any:
+        raise NotImplementedError
+
+    def _ready(self, model_dir: Path, **split: Any) -> Any:
+        backend = self.make_backend(**split)
+        backend.setup(str(model_dir), seed=0)
+        return backend
+
+    def test_train_step_reports_metrics_and_changes_weights(self, tiny_model_dir: Path) -> None:
+        import math
+
+        import torch
+
+        from miles.builtin.losses import ppo_clip
+
+        backend = self._ready(tiny_model_dir)
+        before = {k: v.clone() for k, v in backend.export_weights().items()}
+        metrics = backend.train_step(make_train_batch(), ppo_clip)
+        assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["train/grad_norm"])
+        after = backend.export_weights()
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+        backend.shutdown()
+
+    def test_exported_weights_match_the_hf_model(self, tiny_model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        backend = self._ready(tiny_model_dir)
+        reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+        exported = backend.export_weights()
+        assert {k: tuple(v.shape) for k, v in exported.items()} == {k: tuple(v.shape) for k, v in reference.items()}
+        backend.shutdown()
+
+    def test_save_pretrained_loads_with_transformers(self, tiny_model_dir: Path, tmp_path: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from miles.builtin.losses import ppo_clip
+
+        backend = self._ready(tiny_model_dir)
+        backend.train_step(make_train_batch(), ppo_clip)
+        backend.save_pretrained(str(tmp_path / "out"), AutoTokenizer.from_pretrained(tiny_model_dir), {"step": 1})
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+        for name, tensor in backend.export_weights().items():
+            assert torch.equal(loaded[name], tensor.cpu()), name
+        assert (tmp_path / "out" / "miles.json").is_file()
+        backend.shutdown()
+
+    def test_same_seed_same_step(self, tiny_model_dir: Path) -> None:
+        from miles.builtin.losses import ppo_clip
+
+        first = self._ready(tiny_model_dir).train_step(make_train_batch(), ppo_clip)
+        second = self._ready(tiny_model_dir).train_step(make_train_batch(), ppo_clip)
+        assert first["train/loss"] == second["train/loss"] and first["train/grad_norm"] == second["train/grad_norm"]
+
+    def test_how_the_batch_is_split_does_not_change_the_step(self, tiny_model_dir: Path) -> None:
+        import pytest as _pytest
+
+        from miles.builtin.losses import ppo_clip
+
+        if not self.split_options:
+            _pytest.skip("this backend declares no split options")
+        results = [self._ready(tiny_model_dir, **split).train_step(make_train_batch(), ppo_clip) for split in self.split_options]
+        for other in results[1:]:
+            assert other["train/loss"] == _pytest.approx(results[0]["train/loss"], abs=1e-5)
+            assert other["train/grad_norm"] == _pytest.approx(results[0]["train/grad_norm"], rel=1e-5)

@@ -4,30 +4,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.builtin.advantages import grpo
 from miles.builtin.losses import ppo_clip
 from miles.train.torch_backend import TorchBackend
-from miles.types import Sample, SampleStatus, TrainBatch
-
-
-def make_batch():
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    for i in range(6):
-        n = 2 + i % 3
-        samples.append(Sample(
-            prompt_ids=[4, 13, 5 + i % 2, 14], group_index=i // 3, response_ids=torch.randint(3, 14, (n,), generator=gen).tolist(),
-            loss_mask=[1] * n, rollout_logprobs=[-2.0] * n, reward=float(i % 2), status=SampleStatus.COMPLETED,
-        ))
-    batch = TrainBatch.from_samples(samples, pad_token_id=0)
-    batch.advantages = grpo(batch)
-    return batch
+from miles.testing import BackendConformance, make_train_batch
 
 
 def grads_after_step(model_dir, micro_batch_size):
     backend = TorchBackend(lr=1e-3, micro_batch_size=micro_batch_size, max_grad_norm=1e9)
     backend.setup(str(model_dir), seed=0)
-    metrics = backend.train_step(make_batch(), ppo_clip)
+    metrics = backend.train_step(make_train_batch(), ppo_clip)
     return metrics, {n: p.grad.clone() for n, p in backend.model.named_parameters()}
 
 
@@ -44,7 +29,7 @@ def test_training_step_changes_weights_and_export_matches(tiny_model_dir):
     backend = TorchBackend(lr=1e-2)
     backend.setup(str(tiny_model_dir), seed=0)
     before = {k: v.clone() for k, v in backend.export_weights().items()}
-    metrics = backend.train_step(make_batch(), ppo_clip)
+    metrics = backend.train_step(make_train_batch(), ppo_clip)
     assert {"train/loss", "train/grad_norm", "train/clip_frac"} <= set(metrics)
     after = backend.export_weights()
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -64,3 +49,37 @@ def test_saved_model_loads_with_transformers_and_generates(tiny_model_dir, tmp_p
     assert loaded_tok.decode(ids[0]) == "3+4="
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, backend.model.state_dict()[name]), name
+
+
+def test_token_budget_packing_covers_every_row_once_within_budget():
+    from miles.train.batching import micro_batch_indices
+
+    lengths = torch.tensor([5, 9, 3, 9, 4, 12, 2, 7])
+    groups = micro_batch_indices(lengths, max_tokens=20)
+    assert sorted(i for g in groups for i in g) == list(range(8))
+    for group in groups:
+        assert len(group) * max(int(lengths[i]) for i in group) <= 20
+    assert micro_batch_indices(lengths, max_tokens=5)[0] == [5]  # longer than the budget: alone
+    assert micro_batch_indices(lengths, max_samples=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_token_budget_split_gives_the_same_gradient(tiny_model_dir):
+    def run(**split):
+        backend = TorchBackend(lr=1e-3, max_grad_norm=1e9, **split)
+        backend.setup(str(tiny_model_dir), seed=0)
+        metrics = backend.train_step(make_train_batch(), ppo_clip)
+        return metrics, {n: p.grad.clone() for n, p in backend.model.named_parameters()}
+
+    by_count, grads_count = run(micro_batch_size=4)
+    by_tokens, grads_tokens = run(max_tokens_per_micro_batch=14)
+    assert by_count["train/micro_batches"] == 2 and by_tokens["train/micro_batches"] >= 3
+    assert by_count["train/loss"] == pytest.approx(by_tokens["train/loss"], abs=1e-6)
+    for name in grads_count:
+        assert torch.allclose(grads_count[name], grads_tokens[name], atol=1e-5), name
+
+
+class TestTorchBackendConformance(BackendConformance):
+    split_options = ({"micro_batch_size": 6}, {"micro_batch_size": 2}, {"max_tokens_per_micro_batch": 14})
+
+    def make_backend(self, **split):
+        return TorchBackend(lr=1e-3, max_grad_norm=1e9, **split)

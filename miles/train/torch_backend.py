@@ -9,6 +9,7 @@ import torch
 
 from miles.models import load_model, save_pretrained
 from miles.train.backend import LossFn
+from miles.train.batching import micro_batch_indices
 from miles.train.logprobs import token_logprobs
 from miles.types import LossInputs, TrainBatch
 
@@ -26,6 +27,7 @@ class TorchBackend:
         beta2: float = 0.999,
         max_grad_norm: float = 1.0,
         micro_batch_size: int = 256,
+        max_tokens_per_micro_batch: int | None = None,
     ) -> None:
         if lr <= 0:
             raise ValueError(f"lr must be positive, got {lr}")
@@ -36,6 +38,9 @@ class TorchBackend:
         self.betas = (beta1, beta2)
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
+        if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.model: Any = None
 
     def setup(self, model_path: str, *, seed: int) -> None:
@@ -49,12 +54,16 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         normalizer = float(max(batch.num_tokens, 1))
         totals: dict[str, float] = defaultdict(float)
-        for start in range(0, len(batch), self.micro_batch_size):
-            micro = batch.select(slice(start, start + self.micro_batch_size))
+        micro_batches = 0
+        lengths = batch.attention_mask.sum(dim=1)
+        for rows in micro_batch_indices(lengths, max_samples=self.micro_batch_size,
+                                        max_tokens=self.max_tokens_per_micro_batch):
+            micro = batch.select(rows if len(rows) < len(batch) else slice(None))
             logprobs = token_logprobs(self.model, micro.input_ids)
             inputs = LossInputs(logprobs, micro.rollout_logprobs, micro.advantages, micro.loss_mask, normalizer, micro)
             loss, metrics = loss_fn(inputs)
             loss.backward()
+            micro_batches += 1
             totals["train/loss"] += float(loss.detach())
             for key, value in metrics.items():
                 totals[key] += float(value)
@@ -62,6 +71,7 @@ class TorchBackend:
         self.optimizer.step()
         totals["train/grad_norm"] = float(grad_norm)
         totals["train/lr"] = self.lr
+        totals["train/micro_batches"] = micro_batches
         return dict(totals)
 
     def export_weights(self) -> dict[str, torch.Tensor]:

@@ -30,6 +30,9 @@ def test_quickstart_learns(miles_cli, tmp_path):
         assert REQUIRED_METRICS <= set(row), REQUIRED_METRICS - set(row)
         assert row["samples/total"] == 128 and row["samples/failed"] == 0
     assert [row["weight_version"] for row in steps] == list(range(1, 201))  # one sync per step
+    # Engine and trainer hold the same weights when a step starts: their log-probs agree.
+    assert max(row["train/rollout_logprob_abs_diff"] for row in steps) < 1e-4
+    assert all(row["train/entropy"] > 0 for row in steps)
 
     header = json.loads((tmp_path / "run.json").read_text())
     assert {"name": "miles.builtin.rewards", "version": header["plugins"][0]["version"]}.items() <= header["plugins"][0].items()

@@ -7,12 +7,20 @@ import torch
 __all__ = ["token_logprobs"]
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool = False):
     """``[B, L-1]``: column ``t`` is log p(input_ids[:, t+1] | input_ids[:, :t+1]).
 
     Sequences are right-padded, so causal attention alone keeps padding out of every real token's
-    context; padded columns hold garbage that the loss mask removes.
+    context; padded columns hold garbage that the loss mask removes. With ``with_entropy``, also the
+    entropy of each predicted distribution (``[B, L-1]``, without grad).
     """
     logits = model(input_ids=input_ids).logits[:, :-1].float()
     targets = input_ids[:, 1:].unsqueeze(-1)
-    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets).squeeze(-1) - log_norm
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():
+        log_p = logits - log_norm.unsqueeze(-1)
+        entropy = -(log_p.exp() * log_p).sum(dim=-1)
+    return logprobs, entropy

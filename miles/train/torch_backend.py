@@ -59,9 +59,15 @@ class TorchBackend:
         for rows in micro_batch_indices(lengths, max_samples=self.micro_batch_size,
                                         max_tokens=self.max_tokens_per_micro_batch):
             micro = batch.select(rows if len(rows) < len(batch) else slice(None))
-            logprobs = token_logprobs(self.model, micro.input_ids)
+            logprobs, entropy = token_logprobs(self.model, micro.input_ids, with_entropy=True)
             inputs = LossInputs(logprobs, micro.rollout_logprobs, micro.advantages, micro.loss_mask, normalizer, micro)
             loss, metrics = loss_fn(inputs)
+            with torch.no_grad():
+                mask = micro.loss_mask
+                totals["train/entropy"] += float((entropy * mask).sum()) / normalizer
+                # How far the trainer's log-probs are from the engine's for the same tokens (0 when they agree).
+                gap = (logprobs.detach() - micro.rollout_logprobs).abs()
+                totals["train/rollout_logprob_abs_diff"] += float((gap * mask).sum()) / normalizer
             loss.backward()
             micro_batches += 1
             totals["train/loss"] += float(loss.detach())

@@ -83,3 +83,19 @@ class TestTorchBackendConformance(BackendConformance):
 
     def make_backend(self, **split):
         return TorchBackend(lr=1e-3, max_grad_norm=1e9, **split)
+
+
+def test_recomputed_old_logprobs_start_the_ratio_at_one(tiny_model_dir):
+    """The fixture batch's rollout log-probs (-2.0) are not the model's: with them the ratio is off and
+    clips; recomputed by the trainer, the ratio starts at exactly one."""
+    def step(mode):
+        backend = TorchBackend(lr=1e-3, old_logprobs=mode)
+        backend.setup(str(tiny_model_dir), seed=0)
+        return backend.train_step(make_train_batch(), ppo_clip)
+
+    rollout, recompute = step("rollout"), step("recompute")
+    assert recompute["train/approx_kl"] == 0.0 and recompute["train/clip_frac"] == 0.0
+    assert rollout["train/approx_kl"] > 0.0
+    assert rollout["train/rollout_logprob_abs_diff"] == recompute["train/rollout_logprob_abs_diff"] > 0
+    with pytest.raises(ValueError, match="old_logprobs must be"):
+        TorchBackend(old_logprobs="engine")

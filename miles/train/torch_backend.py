@@ -28,6 +28,7 @@ class TorchBackend:
         max_grad_norm: float = 1.0,
         micro_batch_size: int = 256,
         max_tokens_per_micro_batch: int | None = None,
+        old_logprobs: str = "rollout",
     ) -> None:
         if lr <= 0:
             raise ValueError(f"lr must be positive, got {lr}")
@@ -41,6 +42,10 @@ class TorchBackend:
         if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
             raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        if old_logprobs not in ("rollout", "recompute"):
+            raise ValueError(f"old_logprobs must be 'rollout' (the engine's) or 'recompute' (a trainer forward pass), "
+                             f"got {old_logprobs!r}")
+        self.old_logprobs = old_logprobs
         self.model: Any = None
 
     def setup(self, model_path: str, *, seed: int) -> None:
@@ -56,11 +61,16 @@ class TorchBackend:
         totals: dict[str, float] = defaultdict(float)
         micro_batches = 0
         lengths = batch.attention_mask.sum(dim=1)
-        for rows in micro_batch_indices(lengths, max_samples=self.micro_batch_size,
-                                        max_tokens=self.max_tokens_per_micro_batch):
-            micro = batch.select(rows if len(rows) < len(batch) else slice(None))
+        splits = micro_batch_indices(lengths, max_samples=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch)
+        micros = [batch.select(rows if len(rows) < len(batch) else slice(None)) for rows in splits]
+        if self.old_logprobs == "recompute":
+            with torch.no_grad():
+                olds = [token_logprobs(self.model, micro.input_ids) for micro in micros]
+        else:
+            olds = [micro.rollout_logprobs for micro in micros]
+        for micro, old in zip(micros, olds):
             logprobs, entropy = token_logprobs(self.model, micro.input_ids, with_entropy=True)
-            inputs = LossInputs(logprobs, micro.rollout_logprobs, micro.advantages, micro.loss_mask, normalizer, micro)
+            inputs = LossInputs(logprobs, old, micro.advantages, micro.loss_mask, normalizer, micro)
             loss, metrics = loss_fn(inputs)
             with torch.no_grad():
                 mask = micro.loss_mask

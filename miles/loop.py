@@ -15,6 +15,7 @@ from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt, PromptSource
 from miles.rollout.generate import make_groups, run_rollouts
 from miles.rollout.reward import score_samples
+from miles.train.regularizers import kl_estimate
 from miles.types import Group, Sample, SampleStatus, TrainBatch
 
 __all__ = ["Components", "rl_step", "sft_step", "evaluate"]
@@ -39,6 +40,8 @@ class Components:
     prompts_per_step: int
     n_samples: int
     max_failed_frac: float
+    kl_reward_coef: float = 0.0  # KL to the reference policy as a per-sequence reward penalty
+    kl_estimator: str = "k3"
     router_stats_seen: dict[str, int] = field(default_factory=dict)
 
 
@@ -87,6 +90,11 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     if train_samples:
         train_start = time.perf_counter()
         batch = TrainBatch.from_samples(train_samples, c.pad_token_id)
+        if c.kl_reward_coef:
+            kl = kl_estimate(batch.rollout_logprobs, c.backend.ref_logprobs(batch), c.kl_estimator) * batch.loss_mask
+            penalty = c.kl_reward_coef * kl.sum(dim=1)
+            batch.rewards = batch.rewards - penalty
+            metrics["rollout/kl_penalty_mean"] = float(penalty.mean())
         batch.advantages = c.advantage_fn(batch)
         metrics.update(c.backend.train_step(batch, c.loss_fn))
         train_s = time.perf_counter() - train_start

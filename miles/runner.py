@@ -29,6 +29,7 @@ from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
 from miles.rollout.context import RolloutContext
 from miles.rollout.plane import RolloutPlane
+from miles.train.regularizers import regularized
 from miles.rollout.data_source import Prompt, PromptSource, read_rows
 
 __all__ = ["Prepared", "prepare", "train", "plugin_stack"]
@@ -197,7 +198,8 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         backend = launch_backend(run.cluster.ray, backend, cpus=config.cluster.train_cpus,
                                  startup_timeout_s=config.cluster.engine_startup_timeout_s)
         run.closing.callback(backend.shutdown)
-    backend.setup(model_path, seed=run.seed)
+    reg = config.regularization
+    backend.setup(model_path, seed=run.seed, **({"ref_model_path": model_path} if reg.kl_coef > 0 else {}))
     sampling = OmegaConf.to_container(config.rollout.sampling)
     c = Components(
         pm=p.pm,
@@ -209,7 +211,10 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         selectors=[p.registry.build("data_selector", component_node(n), f"selection[{i}]")
                    for i, n in enumerate(config.selection)],
         advantage_fn=p.build("advantage", "advantage"),
-        loss_fn=p.build("loss", "loss"),
+        loss_fn=regularized(p.build("loss", "loss"), kl_coef=reg.kl_coef if reg.kl_in == "loss" else 0.0,
+                            kl_estimator=reg.kl_estimator, entropy_coef=reg.entropy_coef),
+        kl_reward_coef=reg.kl_coef if reg.kl_in == "reward" else 0.0,
+        kl_estimator=reg.kl_estimator,
         backend=backend,
         transport=transport,
         pad_token_id=run.pad_token_id,

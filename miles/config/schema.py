@@ -101,6 +101,14 @@ class RunConfig:
 
 
 @dataclass
+class RegularizationConfig:
+    kl_coef: float = 0.0  # > 0 loads the RL starting checkpoint as a frozen reference model
+    kl_estimator: str = "k3"  # k1, k2 or k3
+    kl_in: str = "loss"  # "loss": a term of the loss; "reward": a per-sequence penalty before advantages
+    entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
+
+
+@dataclass
 class RouterConfig:
     health_interval_s: float = 1.0
     max_failures: int = 3  # failed health checks before an engine is quarantined
@@ -130,6 +138,7 @@ class MilesConfig:
     loss: Any = _component("ppo_clip")
     selection: Any = field(default_factory=list)
     backend: Any = _component("torch")
+    regularization: RegularizationConfig = field(default_factory=RegularizationConfig)
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 

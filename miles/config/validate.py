@@ -35,6 +35,10 @@ _RANGES: list[tuple[str, Any, str]] = [
     ("cluster.engine_startup_timeout_s", lambda v: v > 0, "a positive number of seconds"),
     ("cluster.router.max_retries", lambda v: v >= 0, "a whole number >= 0"),
     ("cluster.router.max_failures", lambda v: v >= 1, "a whole number >= 1"),
+    ("regularization.kl_coef", lambda v: v >= 0, "a number >= 0"),
+    ("regularization.entropy_coef", lambda v: v >= 0, "a number >= 0"),
+    ("regularization.kl_estimator", lambda v: v in ("k1", "k2", "k3"), "k1, k2 or k3"),
+    ("regularization.kl_in", lambda v: v in ("loss", "reward"), "loss or reward"),
     ("data.chat_template", lambda v: v in ("auto", "true", "false", True, False), "auto, true or false"),
 ]
 

@@ -22,8 +22,13 @@ class TrainBackend(Protocol):
     config node's arguments; the loop then calls these methods.
     """
 
-    def setup(self, model_path: str, *, seed: int) -> None:
-        """Load the policy from an HF-format directory and build the optimizer."""
+    def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None) -> None:
+        """Load the policy from an HF-format directory and build the optimizer; with
+        ``ref_model_path``, also a frozen reference model whose log-probs reach the loss as
+        ``LossInputs.ref_logprobs`` (and ``ref_logprobs(batch)``)."""
+
+    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, L-1]`` log-probs under the reference model (only when one was set up)."""
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on ``batch`` (split into micro-batches as configured).

@@ -12,7 +12,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy
 
     Sequences are right-padded, so causal attention alone keeps padding out of every real token's
     context; padded columns hold garbage that the loss mask removes. With ``with_entropy``, also the
-    entropy of each predicted distribution (``[B, L-1]``, without grad).
+    entropy of each predicted distribution (``[B, L-1]``, differentiable for an entropy bonus).
     """
     logits = model(input_ids=input_ids).logits[:, :-1].float()
     targets = input_ids[:, 1:].unsqueeze(-1)
@@ -20,7 +20,5 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy
     logprobs = logits.gather(-1, targets).squeeze(-1) - log_norm
     if not with_entropy:
         return logprobs
-    with torch.no_grad():
-        log_p = logits - log_norm.unsqueeze(-1)
-        entropy = -(log_p.exp() * log_p).sum(dim=-1)
-    return logprobs, entropy
+    log_p = logits - log_norm.unsqueeze(-1)
+    return logprobs, -(log_p.exp() * log_p).sum(dim=-1)

@@ -37,8 +37,11 @@ class RemoteBackend:
         except self._ray.exceptions.RayActorError as exc:
             raise RunError(f"the training worker died during {method}: {exc}. The last checkpoint is untouched.") from exc
 
-    def setup(self, model_path: str, *, seed: int) -> None:
-        self._call("setup", model_path, seed=seed)
+    def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None) -> None:
+        self._call("setup", model_path, seed=seed, ref_model_path=ref_model_path)
+
+    def ref_logprobs(self, batch: Any) -> Any:
+        return self._call("ref_logprobs", batch)
 
     def train_step(self, batch: Any, loss_fn: Any) -> dict[str, float]:
         return self._call("train_step", batch, loss_fn)

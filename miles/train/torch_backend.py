@@ -11,6 +11,7 @@ from miles.models import load_model, save_pretrained
 from miles.train.backend import LossFn
 from miles.train.batching import micro_batch_indices
 from miles.train.logprobs import token_logprobs
+from miles.train.regularizers import kl_estimate
 from miles.types import LossInputs, TrainBatch
 
 __all__ = ["TorchBackend"]
@@ -48,9 +49,12 @@ class TorchBackend:
         self.old_logprobs = old_logprobs
         self.model: Any = None
 
-    def setup(self, model_path: str, *, seed: int) -> None:
+    def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None) -> None:
         torch.manual_seed(seed)
         self.model = load_model(model_path).train()
+        self.ref_model = None
+        if ref_model_path is not None:
+            self.ref_model = load_model(ref_model_path).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
         )
@@ -70,11 +74,14 @@ class TorchBackend:
             olds = [micro.rollout_logprobs for micro in micros]
         for micro, old in zip(micros, olds):
             logprobs, entropy = token_logprobs(self.model, micro.input_ids, with_entropy=True)
-            inputs = LossInputs(logprobs, old, micro.advantages, micro.loss_mask, normalizer, micro)
+            ref = self.ref_logprobs(micro) if self.ref_model is not None else None
+            inputs = LossInputs(logprobs, old, micro.advantages, micro.loss_mask, normalizer, micro, ref, entropy)
             loss, metrics = loss_fn(inputs)
             with torch.no_grad():
                 mask = micro.loss_mask
                 totals["train/entropy"] += float((entropy * mask).sum()) / normalizer
+                if ref is not None:
+                    totals["train/kl"] += float((kl_estimate(logprobs, ref, "k3") * mask).sum()) / normalizer
                 # How far the trainer's log-probs are from the engine's for the same tokens (0 when they agree).
                 gap = (logprobs.detach() - micro.rollout_logprobs).abs()
                 totals["train/rollout_logprob_abs_diff"] += float((gap * mask).sum()) / normalizer
@@ -89,6 +96,13 @@ class TorchBackend:
         totals["train/lr"] = self.lr
         totals["train/micro_batches"] = micro_batches
         return dict(totals)
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, L-1]`` log-probs of the batch's tokens under the frozen reference model."""
+        if self.ref_model is None:
+            raise ValueError("no reference model: set up the backend with ref_model_path")
+        return token_logprobs(self.ref_model, batch.input_ids)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}

@@ -179,4 +179,4 @@ class LossInputs:
     token_normalizer: float  # loss-mask tokens in the whole batch: divide sums by it
     batch: TrainBatch
     ref_logprobs: torch.Tensor | None = None  # the frozen reference policy, when one is configured
-    entropy: torch.Tensor | None = None  # of the current policy's distribution at each position, with grad
+    entropy: torch.Tensor | None = None  # of the policy at each position; with grad if the loss sets needs_entropy_grad

@@ -48,10 +48,11 @@ class EventLoopThread:
 
 class RolloutPlane:
     def __init__(self, *, local_engines: list[Any] = (), router: Router | None = None) -> None:
-        self.aio = EventLoopThread()
         self.local_engines = list(local_engines)
         self.router = router
+        self.aio: EventLoopThread | None = None  # the router's session and health checks live on it
         if router is not None:
+            self.aio = EventLoopThread()
             self.aio.run(router.start())
 
     @property
@@ -70,6 +71,8 @@ class RolloutPlane:
         return max(e.weight_version for e in self.router.engines)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        if self.router is None:  # nothing lives on the loop between steps: run in this thread, one thread fewer
+            return asyncio.run(coro)
         return self.aio.run(coro, timeout_s)
 
     def post_all(self, path: str, body: dict[str, Any] | bytes, timeout_s: float | None = None,
@@ -86,10 +89,10 @@ class RolloutPlane:
         return self.run(self.router.post(engine, path, body))
 
     def close(self) -> None:
-        if self.router is not None:
+        if self.aio is not None:
             self.aio.run(self.router.close())
+            self.aio.close()
         for engine in self.local_engines:
             close = getattr(engine, "close", None)
             if close is not None:
                 close()
-        self.aio.close()

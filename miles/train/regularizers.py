@@ -53,4 +53,5 @@ def regularized(loss_fn: Callable, *, kl_coef: float = 0.0, kl_estimator: str = 
             loss = loss - entropy_coef * entropy / inputs.token_normalizer
         return loss, metrics
 
+    loss_with_terms.needs_entropy_grad = entropy_coef != 0  # type: ignore[attr-defined]
     return loss_with_terms

@@ -73,7 +73,8 @@ class TorchBackend:
         else:
             olds = [micro.rollout_logprobs for micro in micros]
         for micro, old in zip(micros, olds):
-            logprobs, entropy = token_logprobs(self.model, micro.input_ids, with_entropy=True)
+            logprobs, entropy = token_logprobs(self.model, micro.input_ids, with_entropy=True,
+                                               entropy_grad=getattr(loss_fn, "needs_entropy_grad", False))
             ref = self.ref_logprobs(micro) if self.ref_model is not None else None
             inputs = LossInputs(logprobs, old, micro.advantages, micro.loss_mask, normalizer, micro, ref, entropy)
             loss, metrics = loss_fn(inputs)

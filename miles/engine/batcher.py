@@ -202,10 +202,12 @@ class ContinuousBatcher:
         done = [i for i in range(first, len(self._rows)) if self._rows[i].finish is not None]
         if not done:
             return
-        for i in done:
-            self._rows[i].deliver(self._answer(self._rows[i]))
-        finished = set(done)
-        self._keep([i for i in range(len(self._rows)) if i not in finished])
+        finished = [self._rows[i] for i in done]
+        texts = self.tokenizer.batch_decode([r.output_ids for r in finished], skip_special_tokens=True)
+        for r, text in zip(finished, texts):
+            r.deliver(self._answer(r, text))
+        gone = set(done)
+        self._keep([i for i in range(len(self._rows)) if i not in gone])
 
     def _keep(self, keep: list[int]) -> None:
         if not keep:
@@ -219,7 +221,7 @@ class ContinuousBatcher:
         for layer in self._cache.layers:
             layer.keys, layer.values = layer.keys[index, :, lead:], layer.values[index, :, lead:]
 
-    def _answer(self, r: Request) -> dict[str, Any]:
+    def _answer(self, r: Request, text: str | None = None) -> dict[str, Any]:
         n = len(r.output_ids)
         meta = {
             "id": r.rid,
@@ -230,8 +232,9 @@ class ContinuousBatcher:
         }
         if r.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
-        return {"text": self.tokenizer.decode(r.output_ids, skip_special_tokens=True), "output_ids": list(r.output_ids),
-                "meta_info": meta}
+        if text is None:
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

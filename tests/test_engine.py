@@ -11,7 +11,7 @@ from miles.engine import LocalEngine
 
 @pytest.fixture
 def engine(tiny_model_dir):
-    engine = LocalEngine(seed=1)
+    engine = LocalEngine(seed=1, background=True)
     engine.load_model(str(tiny_model_dir))
     yield engine
     engine.close()
@@ -154,3 +154,17 @@ def test_abort_returns_what_was_generated(engine):
     assert answer["meta_info"]["finish_reason"]["type"] == "abort"
     assert 5 <= len(answer["output_ids"]) < 120
     assert len(answer["meta_info"]["output_token_logprobs"]) == len(answer["output_ids"])
+
+
+def test_inline_engine_generates_each_turn_in_the_calling_thread(tiny_model_dir):
+    """The in-process default: no worker thread; a turn's requests run to completion, batched."""
+    engine = LocalEngine(seed=1)
+    engine.load_model(str(tiny_model_dir))
+    assert engine.batcher._thread is None
+    prompts = [[4, 13, 5, 14], [9, 13, 9, 14, 1, 3], [2, 13]]
+    answers = generate_many(engine, prompts, {"max_new_tokens": 5, "ignore_eos": True})
+    assert engine.batcher.stats["prefill_batches"] == 1
+    for prompt, answer in zip(prompts, answers):
+        got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, reference_logprobs(tiny_model_dir, prompt, answer["output_ids"]), atol=1e-4)
+    engine.close()

@@ -41,7 +41,8 @@ class Request:
 
 class ContinuousBatcher:
     def __init__(self, model: Any, tokenizer: Any, *, context_length: int, pad_token_id: int, eos_token_id: int,
-                 generator: torch.Generator, max_batch_size: int, version: Callable[[], int]) -> None:
+                 generator: torch.Generator, max_batch_size: int, version: Callable[[], int],
+                 background: bool = True) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.context_length, self.pad, self.eos = context_length, pad_token_id, eos_token_id
         self.generator, self.max_batch_size, self.version = generator, max_batch_size, version
@@ -56,8 +57,10 @@ class ContinuousBatcher:
         self._mask = torch.zeros((0, 0), dtype=torch.long)  # [B, T]
         self._next_pos = torch.zeros(0, dtype=torch.long)  # [B] position of each row's pending token
         self._pending = torch.zeros(0, dtype=torch.long)  # [B] sampled, not yet fed
-        self._thread = threading.Thread(target=self._run, name="miles-engine", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="miles-engine", daemon=True)
+            self._thread.start()
 
     # -- control (any thread) -----------------------------------------------------------------------
 
@@ -91,13 +94,19 @@ class ContinuousBatcher:
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
     @property
     def in_flight(self) -> int:
         return len(self._queue) + len(self._rows)
 
     # -- the worker -----------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Without a worker thread: step in the calling thread until nothing is queued or running."""
+        while self._queue or self._rows:
+            self._iteration()
 
     def _run(self) -> None:
         while True:
@@ -106,23 +115,28 @@ class ContinuousBatcher:
                     self._cond.wait()
                 if self._closed:
                     return
-                self._queue = [r for r in self._queue if not self._finish_if_aborted(r)]
-                room = 0 if self._paused else max(0, self.max_batch_size - len(self._rows))
-                admitted, self._queue = self._queue[:room], self._queue[room:]
-                paused = self._paused
-            with self.step_lock:
-                try:
-                    self._retire_aborted()
-                    if admitted:
-                        self._admit(admitted)
-                    if self._rows and not paused:
-                        self._decode()
-                except Exception as exc:  # fail what is in flight; keep serving
-                    for r in admitted + self._rows:
-                        if r.finish is None:
-                            r.finish = {"type": "abort", "message": f"{type(exc).__name__}: {exc}"}
-                            r.deliver(self._answer(r))
-                    self._reset()
+            self._iteration()
+
+    def _iteration(self) -> None:
+        """Retire aborted rows, admit what fits, take one decode step."""
+        with self._cond:
+            self._queue = [r for r in self._queue if not self._finish_if_aborted(r)]
+            room = 0 if self._paused else max(0, self.max_batch_size - len(self._rows))
+            admitted, self._queue = self._queue[:room], self._queue[room:]
+            paused = self._paused
+        with self.step_lock:
+            try:
+                self._retire_aborted()
+                if admitted:
+                    self._admit(admitted)
+                if self._rows and not paused:
+                    self._decode()
+            except Exception as exc:  # fail what is in flight; keep serving
+                for r in admitted + self._rows:
+                    if r.finish is None:
+                        r.finish = {"type": "abort", "message": f"{type(exc).__name__}: {exc}"}
+                        r.deliver(self._answer(r))
+                self._reset()
 
     def _reset(self) -> None:
         self._rows, self._cache = [], None

@@ -23,8 +23,11 @@ __all__ = ["LocalEngine"]
 class LocalEngine:
     """Registered as rollout engine ``local``."""
 
-    def __init__(self, max_batch_size: int = 1024, seed: int = 0) -> None:
+    def __init__(self, max_batch_size: int = 1024, seed: int = 0, background: bool = False) -> None:
         self.max_batch_size = max_batch_size
+        # background: a worker thread batches continuously while the caller's loop runs (servers);
+        # otherwise each event-loop turn's requests are generated to completion in the calling thread.
+        self.background = background
         self.seed = seed
         self.model: Any = None
         self.model_path: str | None = None
@@ -49,7 +52,7 @@ class LocalEngine:
         self.batcher = ContinuousBatcher(
             self.model, self.tokenizer, context_length=self.context_length, pad_token_id=pad,
             eos_token_id=self.tokenizer.eos_token_id, generator=torch.Generator().manual_seed(self.seed),
-            max_batch_size=self.max_batch_size, version=lambda: self.weight_version,
+            max_batch_size=self.max_batch_size, version=lambda: self.weight_version, background=self.background,
         )
 
     def close(self) -> None:
@@ -110,6 +113,10 @@ class LocalEngine:
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, answer: dict[str, Any]) -> None:
         """Called from the batcher thread: answers wait in an outbox, one wake-up of the loop drains it."""
+        if not self.background:  # generated in the loop's own thread
+            if not future.done():
+                future.set_result(answer)
+            return
         with self._outbox_lock:
             outbox = self._outboxes.setdefault(loop, [])
             outbox.append((future, answer))
@@ -131,6 +138,8 @@ class LocalEngine:
     def _submit_turn(self) -> None:
         turn, self._turn = self._turn, []
         self.batcher.submit(turn)
+        if not self.background:
+            self.batcher.drain()
 
     def _check_prompt(self, input_ids: list[int]) -> None:
         if not isinstance(input_ids, list) or not input_ids:

@@ -226,7 +226,7 @@ def build_app(engine: LocalEngine, admin_token: str = "") -> web.Application:
 def serve(model: str, host: str = "127.0.0.1", port: int = 30000, seed: int = 0, admin_token: str = "") -> None:
     if host not in LOOPBACK and not admin_token:
         raise ValueError(f"--host {host}: serving beyond loopback needs an admin token (--admin-token or MILES_ADMIN_TOKEN)")
-    engine = LocalEngine(seed=seed)
+    engine = LocalEngine(seed=seed, background=True)
     engine.load_model(model)
     print(f"miles engine serving {model} on http://{host}:{port}", flush=True)
     web.run_app(build_app(engine, admin_token), host=host, port=port, print=None)

@@ -26,7 +26,7 @@ class EngineActor:
         from miles.engine.server import build_app
 
         torch.set_num_threads(threads)
-        self.engine = LocalEngine(**engine_args)
+        self.engine = LocalEngine(**{**engine_args, "background": True})
         self.engine.load_model(model_path)
         with socket.socket() as s:
             s.bind((host, 0))

@@ -65,9 +65,6 @@ class PluginManager(pluggy.PluginManager):
             raise PluginError(f"plugin {info.name!r} ({info.module}) has a bad hook: {exc}") from exc
         self.info[info.name] = info
 
-    def info_of(self, plugin: object) -> PluginInfo:
-        return self.info[self.get_name(plugin)]
-
 
 def _miles_version() -> str:
     from miles import __version__

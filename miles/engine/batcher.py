@@ -97,10 +97,6 @@ class ContinuousBatcher:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._queue) + len(self._rows)
-
     # -- the worker -----------------------------------------------------------------------------------
 
     def drain(self) -> None:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from miles.rollout.router import EngineEndpoint, Router
+from miles.rollout.router import Router
 
 __all__ = ["EventLoopThread", "RolloutPlane"]
 
@@ -84,9 +84,6 @@ class RolloutPlane:
             return await asyncio.gather(*(router.post(e, path, body, timeout_s, params) for e in router.healthy))
 
         return self.run(go())
-
-    def post_one(self, engine: EngineEndpoint, path: str, body: dict[str, Any]) -> Any:
-        return self.run(self.router.post(engine, path, body))
 
     def close(self) -> None:
         if self.aio is not None:

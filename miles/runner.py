@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from miles.checkpoint import Checkpoint, check_compatible, latest_checkpoint, model_signature, save_checkpoint
 from miles.config import load_config, validate_config
 from miles.config.validate import component_node, split_node
 from miles.errors import DataError
@@ -30,6 +31,7 @@ from miles.registry import KINDS, Registry
 from miles.rollout.context import RolloutContext
 from miles.rollout.plane import RolloutPlane
 from miles.train.regularizers import regularized
+from miles.train.torch_backend import rng_state, set_rng_state
 from miles.rollout.data_source import Prompt, PromptSource, read_rows
 
 __all__ = ["Prepared", "prepare", "train", "plugin_stack"]
@@ -125,19 +127,37 @@ class _Run:
     eval_prompts: list[Prompt]
     loggers: list[Any]
     closing: ExitStack
-    cluster: Any = None  # miles.cluster.RayCluster, when engines run on Ray
+    cluster: Any = None  # miles.cluster.RayCluster, when engines or the backend run on Ray
+    base_model: str = ""  # the model the run starts from, before any SFT; its architecture is checked on resume
+    resume_from: Checkpoint | None = None
     times: dict[str, float] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
 
     def timed(self, phase: str, since: float) -> None:
         self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - since
 
+    def ray_cluster(self) -> Any:
+        """The run's Ray cluster, started (or joined) on first use."""
+        if self.cluster is None:
+            from miles.cluster import RayCluster
+
+            self.cluster = RayCluster(self.p.config.cluster, self.run_dir)
+            self.closing.callback(self.cluster.shutdown)
+        return self.cluster
+
+    def build_backend(self, **overrides: Any) -> Any:
+        node = {**component_node(self.p.config.backend), **overrides}
+        backend_cls = self.p.registry.get("backend", node["name"]).obj
+        if getattr(backend_cls, "uses_ray", False):
+            self.ray_cluster()
+        return self.p.registry.build("backend", node, "backend")
+
 
 def _sft_phase(run: _Run, model_path: str) -> str:
     """Supervised warm-up on prompt/label pairs; returns the checkpoint RL starts from."""
     config, start = run.p.config, time.perf_counter()
-    backend = run.p.registry.build("backend", {**component_node(config.backend), "lr": float(config.sft.lr)}, "backend")
-    backend.setup(model_path, seed=run.seed)
+    backend = run.build_backend(lr=float(config.sft.lr))
+    backend.setup(model_path, seed=run.seed, total_steps=config.sft.steps)
     loss = run.p.build("loss", "sft.loss")
     data = PromptSource(run.train_rows, run.tokenizer, shuffle=True, **{**run.source_args, "seed": run.seed + 1})
     with _progress(config.sft.steps, "sft", config.run.progress) as bar:
@@ -164,12 +184,10 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
         engine.load_model(model_path)
         return RolloutPlane(local_engines=[engine])
 
-    from miles.cluster import RayCluster
     from miles.rollout.ray_engines import launch_engines, shutdown_engines
 
     cluster_cfg = p.config.cluster
-    cluster = run.cluster = RayCluster(cluster_cfg, run.run_dir)
-    run.closing.callback(cluster.shutdown)
+    cluster = run.ray_cluster()
     engine_args.pop("name")
     router, actors, group = launch_engines(
         cluster.ray, num_engines, model_path, engine_args, cpus_per_engine=cluster_cfg.cpus_per_engine,
@@ -184,22 +202,29 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
     return plane
 
 
+def _engine_rng(plane: RolloutPlane) -> list[Any]:
+    """The sampling RNG of every in-process engine (remote engines keep theirs; see docs/checkpoints.md)."""
+    return [engine.rng_state() for engine in plane.local_engines]
+
+
 def _rl_phase(run: _Run, model_path: str) -> str:
-    """RL steps with evaluations before and after; returns the final checkpoint."""
+    """RL steps with evaluations before and after, checkpoints every ``run.save_every`` steps;
+    returns the exported final policy."""
     p, config, run_cfg = run.p, run.p.config, run.p.config.run
     start = time.perf_counter()
     transport = p.build("weight_transport", "rollout.weight_sync")
     plane = _rollout_plane(run, model_path, transport)
     run.closing.callback(plane.close)
-    backend = p.build("backend", "backend")
-    if plane.remote:  # on Ray, the training plane is an actor too
+    backend = run.build_backend()
+    if plane.remote and not getattr(backend, "uses_ray", False):  # on Ray, the training plane is an actor too
         from miles.train.ray_backend import launch_backend
 
         backend = launch_backend(run.cluster.ray, backend, cpus=config.cluster.train_cpus,
                                  startup_timeout_s=config.cluster.engine_startup_timeout_s)
-        run.closing.callback(backend.shutdown)
+    run.closing.callback(backend.shutdown)
     reg = config.regularization
-    backend.setup(model_path, seed=run.seed, **({"ref_model_path": model_path} if reg.kl_coef > 0 else {}))
+    backend.setup(model_path, seed=run.seed, total_steps=run_cfg.steps,
+                  **({"ref_model_path": model_path} if reg.kl_coef > 0 else {}))
     sampling = OmegaConf.to_container(config.rollout.sampling)
     c = Components(
         pm=p.pm,
@@ -225,6 +250,22 @@ def _rl_phase(run: _Run, model_path: str) -> str:
     greedy = RolloutContext(engine=plane.client, tokenizer=run.tokenizer, run=plane.run,
                             sampling_params={**sampling, "temperature": 0.0, "top_p": 1.0, "top_k": -1})
     train_eval_prompts = c.train_data.prompts[: run_cfg.eval_size] if run.eval_prompts else []
+    rewards: list[float] = []
+    first_step = 0
+    if run.resume_from is not None:
+        ckpt = run.resume_from
+        backend.load_checkpoint(ckpt.backend_dir)
+        loop_state = ckpt.loop_state()
+        c.train_data.position = loop_state["data_position"]
+        set_rng_state(loop_state["rng"])
+        for engine, state in zip(plane.local_engines, loop_state["engine_rng"]):
+            engine.set_rng_state(state)
+        transport.push(backend, plane, version=ckpt.state["weight_version"])
+        rewards, first_step = list(ckpt.state["rewards"]), ckpt.step
+        run.summary.update(ckpt.state["summary"])
+    for logger in run.loggers:
+        if hasattr(logger, "rewind"):
+            logger.rewind(first_step)  # drop what an interrupted run logged after its last checkpoint
     run.timed("setup", start)
 
     def run_eval() -> dict[str, float]:
@@ -235,12 +276,22 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         run.timed("eval", eval_start)
         return result
 
-    if run.eval_prompts:
+    def checkpoint(steps_done: int) -> None:
+        save_start = time.perf_counter()
+        state = {"step": steps_done, "weight_version": plane.weight_version, "rewards": rewards,
+                 "start_model": model_path, "model": model_signature(run.base_model), "backend": config.backend.name,
+                 "plugins": run.stack, "summary": {k: v for k, v in run.summary.items() if k.startswith("eval_")}}
+        loop_state = {"data_position": c.train_data.position, "rng": rng_state(), "engine_rng": _engine_rng(plane)}
+        path = save_checkpoint(run.run_dir / "checkpoints", state, loop_state, backend, keep=run_cfg.keep_checkpoints)
+        p.pm.hook.miles_checkpoint_save(path=str(path), step=steps_done)
+        run.timed("checkpoint", save_start)
+
+    if run.eval_prompts and first_step == 0:
         run.summary.update(eval_start=run_eval(), eval_prompts=len(run.eval_prompts),
                            eval_train_prompts=len(train_eval_prompts))
-    rewards: list[float] = []
     with _progress(run_cfg.steps, config.advantage.name, run_cfg.progress) as bar:
-        for step in range(run_cfg.steps):
+        bar.update(first_step)
+        for step in range(first_step, run_cfg.steps):
             step_start = time.perf_counter()
             metrics = rl_step(c, step)
             run.timed("rl", step_start)
@@ -251,6 +302,8 @@ def _rl_phase(run: _Run, model_path: str) -> str:
             for logger in run.loggers:
                 logger.log(step, metrics)
             rewards.append(metrics["reward/mean"])
+            if run_cfg.save_every and (step + 1) % run_cfg.save_every == 0:
+                checkpoint(step + 1)
             bar.update()
             bar.set_postfix(reward=f"{fmean(rewards[-10:]):.3f}")
     if run.eval_prompts:
@@ -264,6 +317,19 @@ def _rl_phase(run: _Run, model_path: str) -> str:
     backend.shutdown()
     p.pm.hook.miles_checkpoint_save(path=out, step=run_cfg.steps)
     return out
+
+
+def _checkpoint_to_resume(run: _Run, base_model: str) -> Checkpoint | None:
+    found = latest_checkpoint(run.run_dir / "checkpoints")
+    if found is None:
+        print(f"run.resume: no checkpoint under {run.run_dir / 'checkpoints'}; starting from step 0", file=sys.stderr)
+        return None
+    check_compatible(found, model=model_signature(base_model), backend=run.p.config.backend.name, plugins=run.stack)
+    if not Path(found.state["start_model"], "config.json").is_file():
+        raise DataError(f"run.resume: checkpoint {found.path} continues from {found.state['start_model']}, "
+                        f"which no longer exists")
+    print(f"run.resume: continuing from {found.path} ({found.step} steps done)", file=sys.stderr)
+    return found
 
 
 def train(p: Prepared) -> dict[str, Any]:
@@ -307,7 +373,11 @@ def train(p: Prepared) -> dict[str, Any]:
             eval_prompts=eval_prompts, loggers=loggers, closing=closing, summary={"run_dir": str(run_dir), "plugins": stack},
         )
         run.timed("setup", started)
-        if config.sft.steps > 0:
+        run.base_model = model_path
+        run.resume_from = _checkpoint_to_resume(run, model_path) if run_cfg.resume else None
+        if run.resume_from is not None:
+            model_path = run.resume_from.state["start_model"]  # the SFT phase (if any) finished before it
+        elif config.sft.steps > 0:
             model_path = _sft_phase(run, model_path)
         if run_cfg.steps > 0:
             model_path = _rl_phase(run, model_path)

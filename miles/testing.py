@@ -81,6 +81,10 @@ def make_train_batch(seed: int = 0, rows: int = 6, group_size: int = 3) -> "Trai
     return batch
 
 
+def _approx(value: float, abs: float) -> Any:
+    return value if abs == 0 else pytest.approx(value, abs=abs)
+
+
 class BackendConformance:
     """The contract every training backend keeps. Subclass it in a test module of your backend:
 
@@ -94,14 +98,62 @@ class BackendConformance:
     """
 
     split_options: tuple[dict, ...] | None = None
+    resume_tolerance: float = 0.0  # 0: a resumed step is bitwise the uninterrupted one
 
     def make_backend(self, **split: Any) -> Any:
         raise NotImplementedError
 
-    def _ready(self, model_dir: Path, **split: Any) -> Any:
+    def _ready(self, model_dir: Path, ref: bool = False, **split: Any) -> Any:
         backend = self.make_backend(**split)
-        backend.setup(str(model_dir), seed=0)
+        backend.setup(str(model_dir), seed=0, **({"ref_model_path": str(model_dir)} if ref else {}))
         return backend
+
+    def test_step_metrics_include_the_required_figures(self, tiny_model_dir: Path) -> None:
+        from miles.builtin.losses import ppo_clip
+
+        backend = self._ready(tiny_model_dir)
+        metrics = backend.train_step(make_train_batch(), ppo_clip)
+        required = {"train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/clip_frac",
+                    "train/rollout_logprob_abs_diff", "train/lr"}
+        assert required <= set(metrics), sorted(required - set(metrics))
+        backend.shutdown()
+
+    def test_logprobs_match_a_transformers_forward(self, tiny_model_dir: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        batch = make_train_batch()
+        backend = self._ready(tiny_model_dir, ref=True)
+        logprobs, ref = backend.compute_logprobs(batch), backend.ref_logprobs(batch)
+        backend.shutdown()
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        with torch.no_grad():
+            logits = model(input_ids=batch.input_ids).logits[:, :-1].float()
+        expected = logits.log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        mask = batch.loss_mask.bool()
+        assert logprobs.shape == ref.shape == batch.loss_mask.shape
+        assert torch.allclose(logprobs[mask], expected[mask], atol=1e-4)
+        assert torch.allclose(ref[mask], expected[mask], atol=1e-4)
+
+    def test_resuming_from_a_checkpoint_repeats_the_next_step(self, tiny_model_dir: Path, tmp_path: Path) -> None:
+        from miles.builtin.losses import ppo_clip
+
+        first, second = make_train_batch(seed=1), make_train_batch(seed=2)
+        backend = self._ready(tiny_model_dir)
+        backend.train_step(first, ppo_clip)
+        (tmp_path / "ckpt").mkdir()
+        backend.save_checkpoint(str(tmp_path / "ckpt"))
+        expected = backend.train_step(second, ppo_clip)
+        expected_weights = backend.export_weights()
+        backend.shutdown()
+        resumed = self._ready(tiny_model_dir)
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        again = resumed.train_step(second, ppo_clip)
+        for key in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/lr"):
+            assert again[key] == _approx(expected[key], abs=self.resume_tolerance), key
+        for name, tensor in resumed.export_weights().items():
+            assert (tensor - expected_weights[name]).abs().max() <= self.resume_tolerance, name
+        resumed.shutdown()
 
     def test_train_step_reports_metrics_and_changes_weights(self, tiny_model_dir: Path) -> None:
         import math

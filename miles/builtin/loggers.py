@@ -18,7 +18,18 @@ class JsonlLogger:
         self._file: IO[str] | None = None
 
     def start(self, run_dir: str, config: Any) -> None:
-        self._file = open(Path(run_dir) / self.filename, "w", encoding="utf-8")
+        self._path = Path(run_dir) / self.filename
+        resuming = bool(config.run.resume) and self._path.exists()
+        self._file = open(self._path, "a" if resuming else "w", encoding="utf-8")
+
+    def rewind(self, step: int) -> None:
+        """Keep only the rows of steps before ``step`` (a resumed run redoes the later ones)."""
+        assert self._file is not None, "start() was not called"
+        self._file.close()
+        rows = [line for line in self._path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and json.loads(line)["step"] < step]
+        self._path.write_text("".join(row + "\n" for row in rows), encoding="utf-8")
+        self._file = open(self._path, "a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         assert self._file is not None, "start() was not called"

@@ -96,6 +96,9 @@ class RunConfig:
     max_failed_frac: float = 0.5  # stop the run when more of a step's samples fail
     progress: bool = True
     torch_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    save_every: int = 0  # write a checkpoint every k RL steps (0: none); see docs/checkpoints.md
+    keep_checkpoints: int = 2  # newest checkpoints kept (0 keeps all)
+    resume: bool = False  # continue from the newest complete checkpoint under <dir>/checkpoints, if any
     loggers: Any = field(default_factory=lambda: [{"name": "jsonl"}])
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
 

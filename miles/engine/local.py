@@ -81,6 +81,14 @@ class LocalEngine:
             self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         return self.weight_version
 
+    def rng_state(self) -> torch.Tensor:
+        """The sampling generator's state (saved in checkpoints so a resumed run samples the same)."""
+        return self.batcher.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        with self.batcher.step_lock:
+            self.batcher.generator.set_state(state)
+
     def abort(self, rid: str | None = None) -> int:
         return self.batcher.abort(rid)
 

@@ -16,31 +16,48 @@ LossFn = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]
 
 @runtime_checkable
 class TrainBackend(Protocol):
-    """A training backend owns the policy's trainable weights and its optimizer.
+    """A training backend owns the policy's trainable weights, its optimizer and LR schedule.
 
     The factory registered through ``miles_register_backends`` is called with the ``backend``
-    config node's arguments; the loop then calls these methods.
+    config node's arguments (the shared :class:`miles.train.options.TrainOptions` plus its own);
+    the loop then calls these methods. ``miles.testing.BackendConformance`` checks the contract.
+    A backend whose workers are Ray actors sets the class attribute ``uses_ray = True``, and the
+    runner starts (or joins) the configured Ray cluster before building it.
     """
 
-    def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None) -> None:
-        """Load the policy from an HF-format directory and build the optimizer; with
-        ``ref_model_path``, also a frozen reference model whose log-probs reach the loss as
-        ``LossInputs.ref_logprobs`` (and ``ref_logprobs(batch)``)."""
+    def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,
+              total_steps: int | None = None) -> None:
+        """Load the policy from an HF-format directory and build the optimizer and LR schedule
+        (``total_steps`` training steps, for decaying schedules); with ``ref_model_path``, also a
+        frozen reference model whose log-probs reach the loss as ``LossInputs.ref_logprobs``."""
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, L-1]`` log-probs of the batch's tokens under the current policy (no gradient);
+        padded and prompt columns hold arbitrary values (the loss mask removes them)."""
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, L-1]`` log-probs under the reference model (only when one was set up)."""
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on ``batch`` (split into micro-batches as configured).
+        """Optimizer step(s) on ``batch``, split into micro-batches as configured; the loss is
+        normalised by the batch's loss-mask tokens, so the split does not change the result.
 
-        Returns metrics including ``train/loss`` and ``train/grad_norm``.
+        Returns metrics including ``train/loss``, ``train/grad_norm``, ``train/kl``,
+        ``train/entropy``, ``train/clip_frac``, ``train/rollout_logprob_abs_diff`` and ``train/lr``.
         """
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """The current weights by parameter name, for weight sync (not to be modified)."""
+        """The full current weights by HF parameter name, on CPU, for weight sync (not to be modified)."""
 
     def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
         """Write the policy in HF format (safetensors), atomically, with ``metadata`` as ``miles.json``."""
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write everything needed to continue training (weights, optimizer, schedule, RNG states)
+        into the existing empty directory ``path``; the runner makes the whole checkpoint atomic."""
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what ``save_checkpoint`` wrote, after ``setup`` with the same model."""
 
     def shutdown(self) -> None:
         """Release workers and memory."""

@@ -37,8 +37,12 @@ class RemoteBackend:
         except self._ray.exceptions.RayActorError as exc:
             raise RunError(f"the training worker died during {method}: {exc}. The last checkpoint is untouched.") from exc
 
-    def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None) -> None:
-        self._call("setup", model_path, seed=seed, ref_model_path=ref_model_path)
+    def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,
+              total_steps: int | None = None) -> None:
+        self._call("setup", model_path, seed=seed, ref_model_path=ref_model_path, total_steps=total_steps)
+
+    def compute_logprobs(self, batch: Any) -> Any:
+        return self._call("compute_logprobs", batch)
 
     def ref_logprobs(self, batch: Any) -> Any:
         return self._call("ref_logprobs", batch)
@@ -51,6 +55,12 @@ class RemoteBackend:
 
     def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
         self._call("save_pretrained", path, tokenizer, metadata)
+
+    def save_checkpoint(self, path: str) -> None:
+        self._call("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self._call("load_checkpoint", path)
 
     def shutdown(self) -> None:
         """Shut the backend down and release its actor (once; later calls do nothing)."""

@@ -1,116 +1,229 @@
-"""The builtin single-process torch backend: AdamW, gradient clipping, micro-batches."""
+"""The builtin single-process torch backend, and the per-process training core that sharded backends
+(the ``miles-fsdp2`` plugin) reuse: :class:`Policy` runs one planned step on one process's share."""
 
 from __future__ import annotations
 
+import contextlib
+import random
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from miles.models import load_model, save_pretrained
 from miles.train.backend import LossFn
-from miles.train.batching import micro_batch_indices
+from miles.train.batching import Plan, plan_step
 from miles.train.logprobs import token_logprobs
+from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
 from miles.train.regularizers import kl_estimate
 from miles.types import LossInputs, TrainBatch
 
-__all__ = ["TorchBackend"]
+__all__ = ["TorchBackend", "Policy", "rng_state", "set_rng_state"]
+
+# Metrics that are counts, summed over mini-batches rather than averaged.
+_COUNTS = ("train/micro_batches",)
 
 
-class TorchBackend:
-    """Registered as backend ``torch``."""
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
-    def __init__(
-        self,
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        max_grad_norm: float = 1.0,
-        micro_batch_size: int = 256,
-        max_tokens_per_micro_batch: int | None = None,
-        old_logprobs: str = "rollout",
-    ) -> None:
-        if lr <= 0:
-            raise ValueError(f"lr must be positive, got {lr}")
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        self.lr = lr
-        self.weight_decay = weight_decay
-        self.betas = (beta1, beta2)
-        self.max_grad_norm = max_grad_norm
-        self.micro_batch_size = micro_batch_size
-        if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
-            raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
-        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
-        if old_logprobs not in ("rollout", "recompute"):
-            raise ValueError(f"old_logprobs must be 'rollout' (the engine's) or 'recompute' (a trainer forward pass), "
-                             f"got {old_logprobs!r}")
-        self.old_logprobs = old_logprobs
-        self.model: Any = None
 
-    def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None) -> None:
-        torch.manual_seed(seed)
-        self.model = load_model(model_path).train()
-        self.ref_model = None
-        if ref_model_path is not None:
-            self.ref_model = load_model(ref_model_path).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
-        )
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        self.optimizer.zero_grad(set_to_none=True)
-        normalizer = float(max(batch.num_tokens, 1))
-        totals: dict[str, float] = defaultdict(float)
-        micro_batches = 0
-        lengths = batch.attention_mask.sum(dim=1)
-        splits = micro_batch_indices(lengths, max_samples=self.micro_batch_size, max_tokens=self.max_tokens_per_micro_batch)
-        micros = [batch.select(rows if len(rows) < len(batch) else slice(None)) for rows in splits]
-        if self.old_logprobs == "recompute":
-            with torch.no_grad():
-                olds = [token_logprobs(self.model, micro.input_ids) for micro in micros]
-        else:
-            olds = [micro.rollout_logprobs for micro in micros]
-        for micro, old in zip(micros, olds):
-            logprobs, entropy = token_logprobs(self.model, micro.input_ids, with_entropy=True,
-                                               entropy_grad=getattr(loss_fn, "needs_entropy_grad", False))
-            ref = self.ref_logprobs(micro) if self.ref_model is not None else None
-            inputs = LossInputs(logprobs, old, micro.advantages, micro.loss_mask, normalizer, micro, ref, entropy)
-            loss, metrics = loss_fn(inputs)
-            with torch.no_grad():
-                mask = micro.loss_mask
-                totals["train/entropy"] += float((entropy * mask).sum()) / normalizer
-                if ref is not None:
-                    totals["train/kl"] += float((kl_estimate(logprobs, ref, "k3") * mask).sum()) / normalizer
-                # How far the trainer's log-probs are from the engine's for the same tokens (0 when they agree).
-                gap = (logprobs.detach() - micro.rollout_logprobs).abs()
-                totals["train/rollout_logprob_abs_diff"] += float((gap * mask).sum()) / normalizer
-            loss.backward()
-            micro_batches += 1
-            totals["train/loss"] += float(loss.detach())
-            for key, value in metrics.items():
-                totals[key] += float(value)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
-        totals["train/grad_norm"] = float(grad_norm)
-        totals["train/lr"] = self.lr
-        totals["train/micro_batches"] = micro_batches
-        return dict(totals)
+
+class Policy:
+    """One process's policy: model, AdamW, LR schedule, optional frozen reference model.
+
+    ``train`` runs this process's share of a plan (:mod:`miles.train.batching`); a sharded backend
+    passes ``loss_scale=world_size`` because its gradient reduction averages over ranks while the
+    loss is already normalised by the global token count, and sums the returned metrics over ranks.
+    """
+
+    def __init__(self, model: torch.nn.Module, options: TrainOptions, device: torch.device,
+                 ref_model: torch.nn.Module | None = None, total_steps: int | None = None) -> None:
+        self.model, self.ref_model, self.options, self.device = model, ref_model, options, device
+        self.autocast = autocast_dtype(options, device)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, betas=(options.beta1, options.beta2),
+                                           weight_decay=options.weight_decay)
+        total = None if total_steps is None else total_steps * options.mini_batches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: options.lr_factor(k, total))
+
+    def _forward(self, model: torch.nn.Module, micro: TrainBatch, **kwargs: Any):
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast
+                    else contextlib.nullcontext())
+        with autocast:
+            return token_logprobs(model, micro.input_ids.to(self.device), **kwargs)
+
+    def _micro(self, batch: TrainBatch, rows: list[int]) -> TrainBatch:
+        if rows:
+            return batch.select(rows)
+        placeholder = batch.select([0])  # keeps collectives in step on a rank with nothing to do
+        placeholder.loss_mask = torch.zeros_like(placeholder.loss_mask)
+        return placeholder
 
     @torch.no_grad()
-    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """``[B, L-1]`` log-probs of the batch's tokens under the frozen reference model."""
-        if self.ref_model is None:
+    def logprobs(self, batch: TrainBatch, micros: list[list[int]], reference: bool = False) -> list[torch.Tensor]:
+        """Log-probs of each micro-batch's rows (``[b, width]``; placeholders give empty tensors)."""
+        model = self.ref_model if reference else self.model
+        if model is None:
             raise ValueError("no reference model: set up the backend with ref_model_path")
-        return token_logprobs(self.ref_model, batch.input_ids)
+        out = []
+        for rows in micros:
+            values = self._forward(model, self._micro(batch, rows)).float().cpu()
+            out.append(values if rows else values[:0])
+        return out
+
+    def train(self, batch: TrainBatch, plan: list[list[list[int]]], normalizers: list[float], loss_fn: LossFn,
+              loss_scale: float = 1.0) -> tuple[list[dict[str, float]], list[float]]:
+        """Run ``plan[mini_batch][micro_batch] -> rows``; returns per-mini-batch metric sums and grad norms."""
+        if self.options.old_logprobs == "recompute":  # all before the first optimizer step
+            olds = [self.logprobs(batch, micros) for micros in plan]
+        sums, norms = [], []
+        needs_entropy_grad = getattr(loss_fn, "needs_entropy_grad", False)
+        for k, micros in enumerate(plan):
+            self.optimizer.zero_grad(set_to_none=True)
+            totals: dict[str, float] = defaultdict(float)
+            normalizer = max(normalizers[k], 1.0)
+            for m, rows in enumerate(micros):
+                micro = self._micro(batch, rows)
+                logprobs, entropy = self._forward(self.model, micro, with_entropy=True, entropy_grad=needs_entropy_grad)
+                if not rows:
+                    (logprobs.sum() * 0.0).backward()
+                    continue
+                logprobs, entropy = logprobs.float(), entropy.float()
+                old = olds[k][m].to(self.device) if self.options.old_logprobs == "recompute" else micro.rollout_logprobs.to(self.device)
+                ref = self._forward(self.ref_model, micro).float().detach() if self.ref_model is not None else None
+                mask = micro.loss_mask.to(self.device)
+                advantages = None if micro.advantages is None else micro.advantages.to(self.device)
+                inputs = LossInputs(logprobs, old, advantages, mask, normalizer, micro, ref, entropy)
+                loss, metrics = loss_fn(inputs)
+                (loss * loss_scale).backward()
+                with torch.no_grad():
+                    totals["train/loss"] += float(loss.detach())
+                    for key, value in metrics.items():
+                        totals[key] += float(value)
+                    totals["train/entropy"] += float((entropy * mask).sum()) / normalizer
+                    # KL to the reference model; with none configured, to the policy that sampled the batch.
+                    totals["train/kl"] += float((kl_estimate(logprobs, old if ref is None else ref, "k3") * mask).sum()) / normalizer
+                    # How far the trainer's log-probs are from the engine's for the same tokens (0 when they agree).
+                    gap = (logprobs - micro.rollout_logprobs.to(self.device)).abs()
+                    totals["train/rollout_logprob_abs_diff"] += float((gap * mask).sum()) / normalizer
+                totals["train/micro_batches"] += 1
+            max_norm = self.options.max_grad_norm or float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            self.optimizer.step()
+            self.scheduler.step()
+            sums.append(dict(totals))
+        return sums, norms
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def combine_metrics(sums: list[dict[str, float]], norms: list[float], lr: float) -> dict[str, float]:
+    """Average per-mini-batch metric sums (counts are added) and report the step's figures."""
+    metrics: dict[str, float] = defaultdict(float)
+    for totals in sums:
+        for key, value in totals.items():
+            metrics[key] += value if key in _COUNTS else value / len(sums)
+    metrics.setdefault("train/clip_frac", 0.0)  # losses without clipping clip nothing
+    metrics["train/grad_norm"] = sum(norms) / len(norms)
+    metrics["train/lr"] = lr
+    return dict(metrics)
+
+
+def assemble_rows(batch: TrainBatch, micros: list[list[int]], values: list[torch.Tensor]) -> torch.Tensor:
+    """``[B, L-1]`` from per-micro-batch row values (each as wide as its micro-batch)."""
+    out = torch.zeros(batch.loss_mask.shape, dtype=torch.float)
+    for rows, tensor in zip(micros, values):
+        if rows:
+            out[rows, : tensor.shape[1]] = tensor
+    return out
+
+
+@takes_train_options
+class TorchBackend:
+    """Registered as backend ``torch``: the whole model in this process, on CPU or one GPU.
+
+    Arguments: :class:`miles.train.options.TrainOptions`.
+    """
+
+    name = "torch"
+
+    def __init__(self, **options: Any) -> None:
+        self.options = TrainOptions(**options)
+        self.policy: Policy | None = None
+
+    def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,
+              total_steps: int | None = None) -> None:
+        torch.manual_seed(seed)
+        device = resolve_device(self.options)
+        model = load_model(model_path).to(device).train()
+        ref = None if ref_model_path is None else load_model(ref_model_path).to(device).eval().requires_grad_(False)
+        self.policy = Policy(model, self.options, device, ref, total_steps)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.policy.model
+
+    def _plan(self, batch: TrainBatch) -> Plan:
+        return plan_step(batch.attention_mask.sum(dim=1), mini_batches=self.options.mini_batches,
+                         max_samples=self.options.micro_batch_size, max_tokens=self.options.max_tokens_per_micro_batch)
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        plan = self._plan(batch)
+        normalizers = [float(sum(batch.loss_mask[rows].sum() for rows in mini[0])) for mini in plan]
+        lr = self.policy.scheduler.get_last_lr()[0]
+        sums, norms = self.policy.train(batch, [mini[0] for mini in plan], normalizers, loss_fn)
+        return combine_metrics(sums, norms, lr)
+
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        micros = plan_step(batch.attention_mask.sum(dim=1), max_samples=self.options.micro_batch_size,
+                           max_tokens=self.options.max_tokens_per_micro_batch)[0][0]
+        return assemble_rows(batch, micros, self.policy.logprobs(batch, micros, reference=reference))
+
+    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self.compute_logprobs(batch, reference=True)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+        return {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
 
     def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
         save_pretrained(self.model, tokenizer, path, metadata)
 
+    def save_checkpoint(self, path: str) -> None:
+        path_ = Path(path)
+        save_pretrained(self.model, None, path_ / "model")
+        torch.save({**self.policy.state_dict(), "rng": rng_state()}, path_ / "trainer.pt")
+
+    def load_checkpoint(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        path_ = Path(path)
+        weights = {}
+        for file in sorted((path_ / "model").glob("*.safetensors")):
+            weights.update(load_file(file))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+        if unexpected or set(missing) - tied:
+            raise ValueError(f"checkpoint {path}: weights do not fit the model (missing {sorted(set(missing) - tied)}, "
+                             f"unexpected {sorted(unexpected)})")
+        state = torch.load(path_ / "trainer.pt", weights_only=False)
+        self.policy.load_state_dict(state)
+        set_rng_state(state["rng"])
+
     def shutdown(self) -> None:
-        self.model = None
-        self.optimizer = None
+        self.policy = None

@@ -1,0 +1,114 @@
+"""Training checkpoints: written atomically, found again by ``run.resume``, refused when incompatible.
+
+A checkpoint is ``<run.dir>/checkpoints/step_<k>/`` (``k`` RL steps done):
+
+- ``backend/``: what the training backend needs to continue (weights, optimizer, LR schedule, its RNG);
+- ``loop.pt``: the driver's RNG, the data position and the rollout engines' sampling RNG;
+- ``state.json``: step, weight version, the reward history, the model's architecture, the backend
+  and the plugin stack with versions (read before anything else, to refuse a mismatch).
+
+It is written under a hidden temporary name and renamed into place when complete, so a run killed
+mid-write leaves no ``step_*`` directory behind, and only complete ones are ever resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.errors import ConfigError
+
+__all__ = ["Checkpoint", "save_checkpoint", "latest_checkpoint", "check_compatible", "model_signature"]
+
+_NAME = re.compile(r"^step_(\d+)$")
+# Fields of an HF config.json that do not change what a checkpoint's weights mean.
+_IGNORED_MODEL_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache"}
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    @property
+    def backend_dir(self) -> str:
+        return str(self.path / "backend")
+
+    def loop_state(self) -> dict[str, Any]:
+        return torch.load(self.path / "loop.pt", weights_only=False)
+
+
+def model_signature(model_path: str | Path) -> dict[str, Any]:
+    """The architecture of an HF model directory: its config.json without bookkeeping fields."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return {k: v for k, v in sorted(config.items()) if k not in _IGNORED_MODEL_KEYS}
+
+
+def save_checkpoint(root: Path, state: dict[str, Any], loop_state: dict[str, Any], backend: Any, keep: int) -> Path:
+    """Write ``step_<state['step']>`` under ``root`` atomically; keep only the newest ``keep``."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{int(state['step']):06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        (tmp / "backend").mkdir()
+        backend.save_checkpoint(str(tmp / "backend"))
+        torch.save(loop_state, tmp / "loop.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        if final.exists():  # a step redone after resuming from an earlier checkpoint
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in _complete(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old.path, ignore_errors=True)
+    return final
+
+
+def _complete(root: Path) -> list[Checkpoint]:
+    found = []
+    for path in root.iterdir() if root.is_dir() else []:
+        if _NAME.match(path.name) and (path / "state.json").is_file():
+            found.append(Checkpoint(path, json.loads((path / "state.json").read_text())))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(root: Path) -> Checkpoint | None:
+    """The newest complete checkpoint under ``root``, if any (half-written ones are hidden temporaries)."""
+    found = _complete(root)
+    return found[-1] if found else None
+
+
+def _version(stack: dict[str, str | None], name: str) -> str:
+    return "absent" if name not in stack else (stack[name] or "unversioned")
+
+
+def check_compatible(checkpoint: Checkpoint, *, model: dict[str, Any], backend: str,
+                     plugins: list[dict[str, Any]]) -> None:
+    """Refuse to resume when the model architecture, the backend or the plugin stack differ."""
+    saved = checkpoint.state
+    problems = []
+    for key in sorted(set(saved["model"]) | set(model)):
+        if saved["model"].get(key) != model.get(key):
+            problems.append(f"model {key}: {saved['model'].get(key)!r} in the checkpoint, {model.get(key)!r} now")
+    if saved["backend"] != backend:
+        problems.append(f"backend: {saved['backend']!r} in the checkpoint, {backend!r} now")
+    then = {p["name"]: p["version"] for p in saved["plugins"]}
+    now = {p["name"]: p["version"] for p in plugins}
+    for name in sorted(set(then) | set(now)):
+        if (name in then, then.get(name)) != (name in now, now.get(name)):
+            problems.append(f"plugin {name}: {_version(then, name)} in the checkpoint, {_version(now, name)} now")
+    if problems:
+        raise ConfigError(f"run.resume: checkpoint {checkpoint.path} does not fit this run:\n  " + "\n  ".join(problems)
+                          + "\nResume with the same model and plugins, or start in a new run.dir.")

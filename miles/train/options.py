@@ -1,0 +1,110 @@
+"""The training options every backend shares (the ``backend`` config node's arguments).
+
+A backend class decorated with :func:`takes_train_options` accepts these as keyword arguments next
+to its own, and the config validator sees them all in its signature, so a misspelt option is
+reported before the run starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["TrainOptions", "takes_train_options", "resolve_device", "autocast_dtype"]
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still reported)
+    # Gradient accumulation: each optimizer step sums the gradients of its micro-batches, which hold at
+    # most `micro_batch_size` samples, or, when `max_tokens_per_micro_batch` is set, at most that many
+    # padded tokens (per worker). The loss is normalised by the whole batch, so the split never
+    # changes the step.
+    micro_batch_size: int = 256
+    max_tokens_per_micro_batch: Optional[int] = None
+    mini_batches: int = 1  # optimizer steps per training batch, each on an equal share of its samples
+    old_logprobs: str = "rollout"  # "rollout": the engine's log-probs; "recompute": a trainer forward pass
+    lr_schedule: str = "constant"  # constant, linear or cosine decay to min_lr_ratio * lr over the run
+    warmup_steps: int = 0  # linear warm-up from 0 over this many optimizer steps
+    min_lr_ratio: float = 0.0
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str = "auto"  # auto: bfloat16 autocast on a GPU that supports it, float32 on CPU
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("lr",):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("micro_batch_size", "mini_batches"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            problems.append(f"max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
+        if self.max_grad_norm < 0 or self.weight_decay < 0 or self.warmup_steps < 0:
+            problems.append("max_grad_norm, weight_decay and warmup_steps must not be negative")
+        if not 0 <= self.min_lr_ratio <= 1:
+            problems.append(f"min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}")
+        if self.old_logprobs not in ("rollout", "recompute"):
+            problems.append(f"old_logprobs must be 'rollout' (the engine's) or 'recompute' (a trainer forward pass), "
+                            f"got {self.old_logprobs!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            problems.append(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            problems.append(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def lr_factor(self, step: int, total_steps: int | None) -> float:
+        """The multiplier of ``lr`` for optimizer step ``step`` (0-based) of ``total_steps``."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.lr_schedule == "constant" or not total_steps:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, total_steps - self.warmup_steps))
+        if self.lr_schedule == "linear":
+            decay = 1.0 - progress
+        else:
+            decay = 0.5 * (1.0 + torch.cos(torch.tensor(progress * torch.pi)).item())
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
+
+
+def takes_train_options(cls: type) -> type:
+    """Give ``cls.__init__(self, <own args>, **options)`` a signature listing every option by name."""
+    own = [p for p in inspect.signature(cls.__init__).parameters.values()
+           if p.name != "self" and p.kind is not p.VAR_KEYWORD]
+    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+               for f in dataclasses.fields(TrainOptions)]
+    cls.__signature__ = inspect.Signature(own + options)
+    return cls
+
+
+def resolve_device(options: TrainOptions) -> torch.device:
+    if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("backend.device is 'cuda' but torch sees no GPU")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def autocast_dtype(options: TrainOptions, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for forward passes (weights and optimizer stay float32), or None."""
+    if options.dtype == "float32":
+        return None
+    supported = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if options.dtype == "bfloat16" and not supported:
+        raise ValueError(f"dtype bfloat16 needs a GPU with bf16 support; this backend runs on {device.type}: "
+                         f"use dtype float32 (or auto)")
+    return torch.bfloat16 if supported else None

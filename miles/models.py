@@ -14,7 +14,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import logging as hf_logging
 
 from miles.errors import ConfigError
@@ -104,6 +111,23 @@ def save_pretrained(
             os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_state_dict(weights: dict[str, torch.Tensor], like: str | Path, out_dir: str | Path,
+                    tokenizer: PreTrainedTokenizerBase | None = None, metadata: dict | None = None) -> None:
+    """Save full ``weights`` (e.g. gathered from shards) as an HF model of the same kind as the model
+    directory ``like``, without loading that model's weights."""
+    config = AutoConfig.from_pretrained(_check_dir(like))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(weights, strict=False, assign=True)
+    model.tie_weights()
+    if any(p.is_meta for p in model.parameters()):
+        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        raise ValueError(f"weights do not cover the model: missing {missing[:8]}")
+    if (Path(like) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(like)
+    save_pretrained(model, tokenizer, out_dir, metadata)
 
 
 def _check_dir(path: str | Path) -> Path:

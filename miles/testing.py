@@ -103,10 +103,25 @@ class BackendConformance:
     def make_backend(self, **split: Any) -> Any:
         raise NotImplementedError
 
+    @pytest.fixture(autouse=True)
+    def _shut_down_backends(self):
+        self._made: list[Any] = []
+        yield
+        for backend in self._made:
+            backend.shutdown()
+
     def _ready(self, model_dir: Path, ref: bool = False, **split: Any) -> Any:
         backend = self.make_backend(**split)
+        self._made.append(backend)
         backend.setup(str(model_dir), seed=0, **({"ref_model_path": str(model_dir)} if ref else {}))
         return backend
+
+    def _step(self, model_dir: Path, batch: Any, loss_fn: Any, **split: Any) -> dict[str, float]:
+        """One step on a fresh backend, shut down afterwards (only one holds workers at a time)."""
+        backend = self._ready(model_dir, **split)
+        metrics = backend.train_step(batch, loss_fn)
+        backend.shutdown()
+        return metrics
 
     def test_step_metrics_include_the_required_figures(self, tiny_model_dir: Path) -> None:
         from miles.builtin.losses import ppo_clip
@@ -197,8 +212,7 @@ class BackendConformance:
     def test_same_seed_same_step(self, tiny_model_dir: Path) -> None:
         from miles.builtin.losses import ppo_clip
 
-        first = self._ready(tiny_model_dir).train_step(make_train_batch(), ppo_clip)
-        second = self._ready(tiny_model_dir).train_step(make_train_batch(), ppo_clip)
+        first, second = (self._step(tiny_model_dir, make_train_batch(), ppo_clip) for _ in range(2))
         assert first["train/loss"] == second["train/loss"] and first["train/grad_norm"] == second["train/grad_norm"]
 
     def test_how_the_batch_is_split_does_not_change_the_step(self, tiny_model_dir: Path) -> None:
@@ -208,7 +222,7 @@ class BackendConformance:
 
         if not self.split_options:
             _pytest.skip("this backend declares no split options")
-        results = [self._ready(tiny_model_dir, **split).train_step(make_train_batch(), ppo_clip) for split in self.split_options]
+        results = [self._step(tiny_model_dir, make_train_batch(), ppo_clip, **split) for split in self.split_options]
         for other in results[1:]:
             assert other["train/loss"] == _pytest.approx(results[0]["train/loss"], abs=1e-5)
             assert other["train/grad_norm"] == _pytest.approx(results[0]["train/grad_norm"], rel=1e-5)

@@ -99,3 +99,69 @@ def test_recomputed_old_logprobs_start_the_ratio_at_one(tiny_model_dir):
     assert rollout["train/rollout_logprob_abs_diff"] == recompute["train/rollout_logprob_abs_diff"] > 0
     with pytest.raises(ValueError, match="old_logprobs must be"):
         TorchBackend(old_logprobs="engine")
+
+
+def test_step_plans_balance_tokens_over_ranks_with_equal_micro_batch_counts():
+    from miles.train.batching import plan_step
+
+    lengths = torch.tensor([12, 3, 9, 4, 8, 2, 7, 5, 6])
+    plan = plan_step(lengths, world_size=2, max_tokens=16)
+    (mini,) = plan
+    rows = sorted(r for share in mini for micro in share for r in micro)
+    assert rows == list(range(9))  # every row once
+    tokens = [sum(int(lengths[r]) for micro in share for r in micro) for share in mini]
+    assert abs(tokens[0] - tokens[1]) <= 2  # 56 tokens split 28/28 or close
+    assert len(mini[0]) == len(mini[1])  # the same number of forward passes on every rank
+    for share in mini:
+        for micro in share:
+            assert not micro or len(micro) * max(int(lengths[r]) for r in micro) <= 16
+    one = plan_step(torch.tensor([5, 5, 5]), world_size=4)[0]
+    assert [len(share) for share in one] == [1, 1, 1, 1] and one[3] == [[]]  # a placeholder where there is no row
+    assert [len(m[0][0]) for m in plan_step(torch.ones(10), mini_batches=3)] == [3, 4, 3]
+
+
+def test_lr_schedules_warm_up_and_decay():
+    from miles.train.options import TrainOptions
+
+    cosine = TrainOptions(lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    assert [cosine.lr_factor(k, 12) for k in (0, 1)] == [0.5, 1.0]
+    assert cosine.lr_factor(2, 12) == pytest.approx(1.0)
+    assert cosine.lr_factor(7, 12) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the decay
+    assert cosine.lr_factor(12, 12) == pytest.approx(0.1)
+    linear = TrainOptions(lr_schedule="linear")
+    assert linear.lr_factor(5, 10) == pytest.approx(0.5)
+    assert TrainOptions().lr_factor(9, 10) == 1.0
+
+
+def test_the_backend_follows_the_schedule(tiny_model_dir):
+    backend = TorchBackend(lr=1e-2, lr_schedule="linear", warmup_steps=1)
+    backend.setup(str(tiny_model_dir), seed=0, total_steps=3)
+    lrs = [backend.train_step(make_train_batch(seed=k), ppo_clip)["train/lr"] for k in range(3)]
+    assert lrs == pytest.approx([1e-2, 1e-2, 0.5e-2])
+
+
+def test_mini_batches_are_optimizer_steps_on_successive_shares(tiny_model_dir):
+    batch = make_train_batch()
+    split = TorchBackend(lr=1e-2, mini_batches=2, micro_batch_size=2)
+    split.setup(str(tiny_model_dir), seed=0)
+    metrics = split.train_step(batch, ppo_clip)
+    assert split.policy.scheduler.last_epoch == 2 and metrics["train/micro_batches"] == 4  # 3 rows each, 2 per pass
+
+    by_hand = TorchBackend(lr=1e-2)
+    by_hand.setup(str(tiny_model_dir), seed=0)
+    halves = [by_hand.train_step(batch.select(rows), ppo_clip) for rows in ([0, 1, 2], [3, 4, 5])]
+    assert metrics["train/loss"] == pytest.approx((halves[0]["train/loss"] + halves[1]["train/loss"]) / 2, abs=1e-6)
+    for name, tensor in split.export_weights().items():
+        assert (tensor - by_hand.export_weights()[name]).abs().max() < 1e-4, name  # Adam magnifies float noise
+
+
+def test_bfloat16_and_cuda_are_refused_without_a_gpu(tiny_model_dir):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="dtype bfloat16 needs a GPU"):
+        TorchBackend(dtype="bfloat16").setup(str(tiny_model_dir), seed=0)
+    with pytest.raises(ValueError, match="device is 'cuda' but torch sees no GPU"):
+        TorchBackend(device="cuda").setup(str(tiny_model_dir), seed=0)
+    backend = TorchBackend(dtype="auto")
+    backend.setup(str(tiny_model_dir), seed=0)
+    assert backend.policy.autocast is None and next(backend.model.parameters()).dtype == torch.float32

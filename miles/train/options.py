@@ -81,13 +81,23 @@ class TrainOptions:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
 
 
+class _OwnSignature:
+    """A class's ``__signature__`` that its subclasses do not inherit (they are inspected as usual)."""
+
+    def __init__(self, owner: type, signature: inspect.Signature) -> None:
+        self.owner, self.signature = owner, signature
+
+    def __get__(self, obj: object, objtype: type | None = None) -> inspect.Signature | None:
+        return self.signature if obj is None and objtype is self.owner else None
+
+
 def takes_train_options(cls: type) -> type:
     """Give ``cls.__init__(self, <own args>, **options)`` a signature listing every option by name."""
     own = [p for p in inspect.signature(cls.__init__).parameters.values()
            if p.name != "self" and p.kind is not p.VAR_KEYWORD]
     options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
                for f in dataclasses.fields(TrainOptions)]
-    cls.__signature__ = inspect.Signature(own + options)
+    cls.__signature__ = _OwnSignature(cls, inspect.Signature(own + options))
     return cls
 
 

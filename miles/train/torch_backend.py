@@ -48,11 +48,12 @@ class Policy:
     """
 
     def __init__(self, model: torch.nn.Module, options: TrainOptions, device: torch.device,
-                 ref_model: torch.nn.Module | None = None, total_steps: int | None = None) -> None:
+                 ref_model: torch.nn.Module | None = None, total_steps: int | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.model, self.ref_model, self.options, self.device = model, ref_model, options, device
         self.autocast = autocast_dtype(options, device)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, betas=(options.beta1, options.beta2),
-                                           weight_decay=options.weight_decay)
+        self.optimizer = optimizer or torch.optim.AdamW(
+            model.parameters(), lr=options.lr, betas=(options.beta1, options.beta2), weight_decay=options.weight_decay)
         total = None if total_steps is None else total_steps * options.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: options.lr_factor(k, total))
 
@@ -82,8 +83,10 @@ class Policy:
         return out
 
     def train(self, batch: TrainBatch, plan: list[list[list[int]]], normalizers: list[float], loss_fn: LossFn,
-              loss_scale: float = 1.0) -> tuple[list[dict[str, float]], list[float]]:
-        """Run ``plan[mini_batch][micro_batch] -> rows``; returns per-mini-batch metric sums and grad norms."""
+              loss_scale: float = 1.0) -> tuple[list[dict[str, float]], list[float], float]:
+        """Run ``plan[mini_batch][micro_batch] -> rows``; returns per-mini-batch metric sums, gradient
+        norms, and the learning rate of the first optimizer step."""
+        lr = self.scheduler.get_last_lr()[0]
         if self.options.old_logprobs == "recompute":  # all before the first optimizer step
             olds = [self.logprobs(batch, micros) for micros in plan]
         sums, norms = [], []
@@ -123,7 +126,7 @@ class Policy:
             self.optimizer.step()
             self.scheduler.step()
             sums.append(dict(totals))
-        return sums, norms
+        return sums, norms, lr
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
@@ -173,7 +176,11 @@ class TorchBackend:
         device = resolve_device(self.options)
         model = load_model(model_path).to(device).train()
         ref = None if ref_model_path is None else load_model(ref_model_path).to(device).eval().requires_grad_(False)
-        self.policy = Policy(model, self.options, device, ref, total_steps)
+        self.policy = Policy(model, self.options, device, ref, total_steps, self.build_optimizer(model))
+
+    def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer | None:
+        """Override to train with another optimizer; None means AdamW from the options."""
+        return None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -186,9 +193,7 @@ class TorchBackend:
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         plan = self._plan(batch)
         normalizers = [float(sum(batch.loss_mask[rows].sum() for rows in mini[0])) for mini in plan]
-        lr = self.policy.scheduler.get_last_lr()[0]
-        sums, norms = self.policy.train(batch, [mini[0] for mini in plan], normalizers, loss_fn)
-        return combine_metrics(sums, norms, lr)
+        return combine_metrics(*self.policy.train(batch, [mini[0] for mini in plan], normalizers, loss_fn))
 
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         micros = plan_step(batch.attention_mask.sum(dim=1), max_samples=self.options.micro_batch_size,

@@ -1,0 +1,201 @@
+"""The driver side of the FSDP2 backend: places ``world_size`` worker actors, splits each batch
+among them (balanced by tokens) and combines what they return."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.errors import ConfigError, RunError
+from miles.models import save_state_dict
+from miles.train.backend import LossFn
+from miles.train.batching import plan_step
+from miles.train.options import TrainOptions, takes_train_options
+from miles.train.torch_backend import assemble_rows, combine_metrics
+from miles.types import TrainBatch
+
+__all__ = ["FSDP2Backend"]
+
+
+def _remap(micros: list[list[int]], index: dict[int, int]) -> list[list[int]]:
+    return [[index[r] for r in rows] for rows in micros]
+
+
+@takes_train_options
+class FSDP2Backend:
+    """Registered as backend ``fsdp2``: FSDP2 over ``world_size`` Ray worker processes.
+
+    Workers reserve ``cpus_per_worker`` CPUs each, and one GPU each when training on a GPU
+    (``device`` cuda, or auto on a cluster with GPUs): gloo on CPU, NCCL on GPU. Other arguments:
+    :class:`miles.train.options.TrainOptions`.
+    """
+
+    uses_ray = True
+    name = "fsdp2"
+
+    def __init__(self, world_size: int = 2, cpus_per_worker: float = 1.0, startup_timeout_s: float = 120.0,
+                 collective_timeout_s: float = 600.0, **options: Any) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if cpus_per_worker <= 0:
+            raise ValueError(f"cpus_per_worker must be positive, got {cpus_per_worker}")
+        self.options = TrainOptions(**options)
+        self.world_size, self.cpus_per_worker = world_size, cpus_per_worker
+        self.startup_timeout_s, self.collective_timeout_s = startup_timeout_s, collective_timeout_s
+        self.workers: list[Any] = []
+        self._group: Any = None
+        self._model_path: str | None = None
+
+    # -- placement -----------------------------------------------------------------------------------
+
+    def _resources(self, ray: Any) -> dict[str, float]:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        on_gpu = self.options.device == "cuda" or (self.options.device == "auto" and gpus > 0)
+        return {"CPU": self.cpus_per_worker, **({"GPU": 1.0} if on_gpu else {})}
+
+    def _place(self, ray: Any) -> dict[str, float]:
+        """Reserve one bundle per worker, or fail at once saying what was asked and what there is."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundle = self._resources(ray)
+        total = ray.cluster_resources()
+        for resource, each in bundle.items():
+            asked = each * self.world_size
+            if asked > total.get(resource, 0):
+                raise ConfigError(
+                    f"backend: fsdp2 with world_size={self.world_size} needs {asked:g} {resource} "
+                    f"({each:g} per worker); the Ray cluster has {total.get(resource, 0):g} {resource}. "
+                    f"Lower backend.world_size or backend.cpus_per_worker, or give Ray more "
+                    f"(cluster.num_cpus, more nodes)."
+                )
+        self._group = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        if not self._group.wait(self.startup_timeout_s):
+            remove_placement_group(self._group)
+            self._group = None
+            free = ray.available_resources()
+            raise RunError(f"backend: could not place {self.world_size} fsdp2 workers ({bundle} each) within "
+                           f"{self.startup_timeout_s:g} s: other actors hold the cluster's resources (free now: "
+                           f"{ {k: free.get(k, 0) for k in bundle} })")
+        return bundle
+
+    def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,
+              total_steps: int | None = None) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from miles_fsdp2.worker import FSDPWorker
+
+        if not ray.is_initialized():
+            raise RunError("backend fsdp2 runs its workers on Ray: start Miles through `miles train` "
+                           "(which starts or joins the cluster) or call ray.init() first")
+        self.shutdown()
+        bundle = self._place(ray)
+        actor = ray.remote(FSDPWorker)
+        self.workers = [
+            actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=rank))
+            .remote(rank, self.world_size, self.options, max(1, int(self.cpus_per_worker)))
+            for rank in range(self.world_size)
+        ]
+        master = self._gather([self.workers[0].address.remote()], "setup")[0]
+        self._all("setup", master, model_path, seed, ref_model_path, total_steps, self.collective_timeout_s)
+        self._model_path = model_path
+
+    # -- calling the workers -------------------------------------------------------------------------
+
+    def _gather(self, refs: list[Any], what: str) -> list[Any]:
+        """Results in order; the first failure kills every worker (peers would wait in a collective)."""
+        import ray
+
+        pending, done = list(refs), {}
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                done[ready[0]] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as exc:
+                self.shutdown(graceful=False)
+                raise RunError(f"fsdp2 worker {refs.index(ready[0])} died during {what}: {exc}. "
+                               f"The last checkpoint is untouched.") from exc
+            except ray.exceptions.RayTaskError as exc:
+                self.shutdown(graceful=False)
+                raise RunError(f"fsdp2 worker {refs.index(ready[0])} failed during {what}: {exc}") from exc
+        return [done[ref] for ref in refs]
+
+    def _all(self, method: str, *args: Any, per_rank: list[tuple] | None = None) -> list[Any]:
+        if not self.workers:
+            raise RunError(f"the fsdp2 workers are not running (call setup first); cannot run {method}")
+        refs = [getattr(w, method).remote(*(per_rank[rank] if per_rank else ()), *args)
+                for rank, w in enumerate(self.workers)]
+        return self._gather(refs, method)
+
+    def _shares(self, batch: TrainBatch, plan: list[list[list[int]]]) -> list[tuple[TrainBatch, list[list[list[int]]]]]:
+        """Each rank's rows as a batch of its own, with the plan in that batch's row numbers."""
+        shares = []
+        for rank in range(self.world_size):
+            rows = sorted({r for mini in plan for micro in mini[rank] for r in micro}) or [0]
+            index = {row: i for i, row in enumerate(rows)}
+            shares.append((batch.select(rows), [_remap(mini[rank], index) for mini in plan]))
+        return shares
+
+    # -- the backend contract ------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        plan = plan_step(batch.attention_mask.sum(dim=1), world_size=self.world_size,
+                         mini_batches=self.options.mini_batches, max_samples=self.options.micro_batch_size,
+                         max_tokens=self.options.max_tokens_per_micro_batch)
+        normalizers = [float(sum(batch.loss_mask[rows].sum() for share in mini for rows in share)) for mini in plan]
+        results = self._all("train", normalizers, loss_fn, per_rank=self._shares(batch, plan))
+        sums: list[dict[str, float]] = [{} for _ in plan]
+        for rank_sums, _, _ in results:
+            for k, totals in enumerate(rank_sums):
+                for key, value in totals.items():
+                    sums[k][key] = sums[k].get(key, 0.0) + value
+        return combine_metrics(sums, results[0][1], results[0][2])  # norms and lr are global
+
+    def _logprobs(self, batch: TrainBatch, reference: bool) -> torch.Tensor:
+        plan = plan_step(batch.attention_mask.sum(dim=1), world_size=self.world_size,
+                         max_samples=self.options.micro_batch_size, max_tokens=self.options.max_tokens_per_micro_batch)
+        shares = self._shares(batch, plan)
+        results = self._all("logprobs", reference, per_rank=[(share, local[0]) for share, local in shares])
+        micros = [micro for rank in range(self.world_size) for micro in plan[0][rank]]
+        return assemble_rows(batch, micros, [values for rank_values in results for values in rank_values])
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._logprobs(batch, reference=False)
+
+    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._logprobs(batch, reference=True)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self._all("full_weights")[0]
+
+    def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
+        save_state_dict(self.export_weights(), self._model_path, path, tokenizer, metadata)
+
+    def save_checkpoint(self, path: str) -> None:
+        self._all("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        if not (Path(path) / "state.pt").is_file():
+            raise ConfigError(f"run.resume: {path} holds no fsdp2 checkpoint (no state.pt)")
+        self._all("load_checkpoint", path)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers and release their placement group (safe to call twice). After a failure
+        the peers of a dead worker may be stuck in a collective, so they are killed without asking."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        workers, self.workers = self.workers, []
+        if graceful and workers:
+            try:
+                ray.get([worker.shutdown.remote() for worker in workers], timeout=30)
+            except Exception:  # noqa: BLE001 - dead or stuck: killed below
+                pass
+        for worker in workers:
+            ray.kill(worker)
+        if self._group is not None:
+            remove_placement_group(self._group)
+            self._group = None

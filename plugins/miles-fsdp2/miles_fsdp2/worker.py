@@ -1,0 +1,114 @@
+"""One FSDP2 rank, run as a Ray actor: its shard of the policy (and reference model) and optimizer.
+
+Every method that touches the model is a collective: the driver calls it on all ranks at once, each
+with its own rows. The per-process training itself is :class:`miles.train.torch_backend.Policy`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from miles.models import load_model
+from miles.train.options import TrainOptions, resolve_device
+from miles.train.torch_backend import Policy, rng_state, set_rng_state
+from miles.types import TrainBatch
+
+__all__ = ["FSDPWorker", "shard"]
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """``fully_shard`` each transformer block (the HF ``_no_split_modules`` classes), then the root."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+class FSDPWorker:
+    def __init__(self, rank: int, world_size: int, options: TrainOptions, threads: int) -> None:
+        torch.set_num_threads(threads)
+        self.rank, self.world_size, self.options = rank, world_size, options
+        self.policy: Policy | None = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the process group's rendezvous."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    def setup(self, master: tuple[str, int], model_path: str, seed: int, ref_model_path: str | None,
+              total_steps: int | None, timeout_s: float) -> None:
+        device = resolve_device(self.options)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
+                                rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+        mesh = init_device_mesh(device.type, (self.world_size,))
+        torch.manual_seed(seed)
+        model = shard(load_model(model_path).to(device), mesh).train()
+        ref = None
+        if ref_model_path is not None:
+            ref = shard(load_model(ref_model_path).to(device).requires_grad_(False), mesh).eval()
+        self.policy = Policy(model, self.options, device, ref, total_steps)
+
+    def train(self, batch: TrainBatch, plan: list[list[list[int]]], normalizers: list[float], loss_fn: Any):
+        # The gradient reduce-scatter averages over ranks; the loss is already divided by the global
+        # token count, so scaling by the world size makes the result the single-process gradient.
+        return self.policy.train(batch, plan, normalizers, loss_fn, loss_scale=float(self.world_size))
+
+    def logprobs(self, batch: TrainBatch, micros: list[list[int]], reference: bool) -> list[torch.Tensor]:
+        return self.policy.logprobs(batch, micros, reference=reference)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """All-gathers the full weights; only rank 0 returns them (others return an empty dict)."""
+        weights = get_model_state_dict(self.policy.model, options=_FULL)
+        return weights if self.rank == 0 else {}
+
+    def save_checkpoint(self, path: str) -> None:
+        model, optimizer = get_state_dict(self.policy.model, self.policy.optimizer, options=_FULL)
+        if self.rank == 0:
+            torch.save({"model": model, "optimizer": optimizer, "world_size": self.world_size}, Path(path) / "state.pt")
+        torch.save({"scheduler": self.policy.scheduler.state_dict(), "rng": rng_state()}, Path(path) / f"rank{self.rank}.pt")
+
+    def load_checkpoint(self, path: str) -> None:
+        # Every rank reads the full state and keeps its shard (checkpoints live where all workers see them).
+        full = torch.load(Path(path) / "state.pt", weights_only=False)
+        set_state_dict(self.policy.model, self.policy.optimizer, model_state_dict=full["model"],
+                       optim_state_dict=full["optimizer"], options=StateDictOptions(full_state_dict=True))
+        own = Path(path) / f"rank{self.rank}.pt"
+        if not own.is_file():
+            raise FileNotFoundError(f"{own}: the checkpoint was written by fewer workers than this run's "
+                                    f"world_size={self.world_size}")
+        state = torch.load(own, weights_only=False)
+        self.policy.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self.policy = None
+        if dist.is_initialized():
+            dist.destroy_process_group()

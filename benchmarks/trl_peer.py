@@ -36,7 +36,7 @@ import torch
 from miles.runner import prepare, train
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml")
-TARGET, ROLLING, WINDOW = 0.5, 10, 20
+TARGETS, ROLLING, WINDOW = (0.5, 0.7), 10, 20
 Curve = tuple[list[float], list[float]]  # per-step rewards, per-step wall times (s)
 
 
@@ -93,10 +93,10 @@ def row(label: str, cells: list[str]) -> None:
     print(f"  {label:<34}" + "".join(f"{c:>20}" for c in cells))
 
 
-def first_reach(rewards: list[float], times: list[float]) -> tuple[int, float] | None:
-    """The first step (1-based) whose rolling mean reward reaches TARGET, and the wall time up to it."""
+def first_reach(rewards: list[float], times: list[float], target: float) -> tuple[int, float] | None:
+    """The first step (1-based) whose rolling mean reward reaches ``target``, and the wall time up to it."""
     for step in range(ROLLING, len(rewards) + 1):
-        if fmean(rewards[step - ROLLING : step]) >= TARGET:
+        if fmean(rewards[step - ROLLING : step]) >= target:
             return step, sum(times[:step])
     return None
 
@@ -122,19 +122,21 @@ def main() -> None:
         return
 
     names = list(results)
-    reached = {name: first_reach(*results[name]) for name in names}
     print(f"\nGRPO phase, {args.steps} steps of 16 prompts x 8 samples, seed {args.seed}:")
     row("", names)
     row("median step time", [f"{1000 * median(times):.1f} ms" for _, times in results.values()])
     row("total time of the GRPO steps", [f"{sum(times):.2f} s" for _, times in results.values()])
-    row(f"first rolling-{ROLLING} reward >= {TARGET}",
-        [f"step {r[0]} at {r[1]:.2f} s" if r else "not reached" for r in reached.values()])
+    reached = {target: {name: first_reach(*results[name], target) for name in names} for target in TARGETS}
+    for target, by_name in reached.items():
+        row(f"first rolling-{ROLLING} reward >= {target}",
+            [f"step {r[0]} at {r[1]:.2f} s" if r else "not reached" for r in by_name.values()])
     if len(names) == 2:
         (_, miles_times), (_, trl_times) = results["miles"], results["trl"]
-        ratio = (f"{reached['miles'][1] / reached['trl'][1]:.3f}"
-                 if reached["miles"] and reached["trl"] else "n/a (not reached by both)")
-        print(f"  ratio miles / trl: time to reward {TARGET}: {ratio}; total time: "
-              f"{sum(miles_times) / sum(trl_times):.3f}")
+        for target, by_name in reached.items():
+            ratio = (f"{by_name['miles'][1] / by_name['trl'][1]:.3f}"
+                     if by_name["miles"] and by_name["trl"] else "n/a (not reached by both)")
+            print(f"  ratio miles / trl, time to reward {target}: {ratio}")
+        print(f"  ratio miles / trl, total time: {sum(miles_times) / sum(trl_times):.3f}")
     print(f"\nmean reward per {WINDOW} steps:")
     row("steps", names)
     for start in range(0, args.steps, WINDOW):

@@ -43,31 +43,41 @@ def test_asking_for_more_workers_than_the_cluster_has_fails_at_once(tiny_model_d
         backend.setup(str(tiny_model_dir), seed=0)
 
 
-def test_a_dead_worker_fails_the_step_with_a_clear_error(tiny_model_dir):
+def test_a_dead_worker_fails_the_step_with_a_clear_error(tiny_model_dir, tmp_path):
     import ray
+
+    from miles.checkpoint import latest_checkpoint, save_checkpoint
 
     backend = FSDP2Backend(world_size=2)
     backend.setup(str(tiny_model_dir), seed=0)
+    backend.train_step(make_train_batch(), ppo_clip)
+    saved = save_checkpoint(tmp_path, {"step": 1}, {}, backend, keep=2)
+    files = {p: p.read_bytes() for p in saved.rglob("*") if p.is_file()}
     ray.kill(backend.workers[1])
     with pytest.raises(RunError, match="fsdp2 worker 1 died during train"):
-        backend.train_step(make_train_batch(), ppo_clip)
+        backend.train_step(make_train_batch(seed=1), ppo_clip)
     assert backend.workers == []  # its peer was stopped too, not left waiting in a collective
+    assert latest_checkpoint(tmp_path).path == saved
+    assert {p: p.read_bytes() for p in saved.rglob("*") if p.is_file()} == files  # the last checkpoint is intact
 
 
 @pytest.mark.slow
 def test_quickstart_trains_with_fsdp2(tmp_path):
     from miles.runner import prepare, train
 
-    summary = train(prepare(_quickstart(), [
-        f"run.dir={tmp_path}", "run.progress=false", "backend.name=fsdp2", "backend.world_size=2", "run.steps=120",
-        "run.save_every=60"]))
+    args = [f"run.dir={tmp_path}", "run.progress=false", "backend.name=fsdp2", "backend.world_size=2", "run.save_every=50"]
+    train(prepare(_quickstart(), [*args, "run.steps=100"]))
+    assert (tmp_path / "checkpoints" / "step_000100" / "backend" / "state.pt").is_file()
+    # Then continue the same run for 40 more steps from its last checkpoint.
+    summary = train(prepare(_quickstart(), [*args, "run.steps=140", "run.resume=true"]))
     assert summary["reward_end"] - summary["reward_start"] >= 0.2 and summary["reward_end"] >= 0.5, summary
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == list(range(140))  # each step once, across the two runs
+    assert [r["weight_version"] for r in steps] == list(range(1, 141))
     assert all(r["train/micro_batches"] == 2 for r in steps)  # one per worker
     assert max(r["train/rollout_logprob_abs_diff"] for r in steps) < 1e-4  # engines got the gathered weights
     assert all(math.isfinite(r["train/grad_norm"]) for r in steps)
-    assert (tmp_path / "checkpoints" / "step_000120" / "backend" / "state.pt").is_file()
 
 
 def _quickstart():

@@ -92,9 +92,8 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
         batch = TrainBatch.from_samples(train_samples, c.pad_token_id)
         if c.kl_reward_coef:
             kl = kl_estimate(batch.rollout_logprobs, c.backend.ref_logprobs(batch), c.kl_estimator) * batch.loss_mask
-            penalty = c.kl_reward_coef * kl.sum(dim=1)
-            batch.rewards = batch.rewards - penalty
-            metrics["rollout/kl_penalty_mean"] = float(penalty.mean())
+            batch.kl_penalty = c.kl_reward_coef * kl
+            metrics["rollout/kl_penalty_mean"] = float(batch.kl_penalty.sum(dim=1).mean())
         batch.advantages = c.advantage_fn(batch)
         metrics.update(c.backend.train_step(batch, c.loss_fn))
         train_s = time.perf_counter() - train_start

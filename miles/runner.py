@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from miles.checkpoint import Checkpoint, check_compatible, latest_checkpoint, model_signature, save_checkpoint
 from miles.config import load_config, validate_config
+from miles.config.algorithms import apply_estimator_defaults
 from miles.config.validate import component_node, split_node
 from miles.errors import DataError
 from miles.loop import Components, evaluate, rl_step, sft_step
@@ -50,6 +51,7 @@ def prepare(config_path: str | Path | None, overrides: Sequence[str] = (), extra
     config = load_config(config_path, overrides)
     pm = build_plugin_manager(config.run.plugins.allow, extra_plugins=extra_plugins)
     registry = Registry.from_plugin_manager(pm)
+    apply_estimator_defaults(config, registry)
     validate_config(config, registry)
     pm.hook.miles_configure(config=config)
     validate_config(config, registry)

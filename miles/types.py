@@ -112,9 +112,21 @@ class TrainBatch:
     group_index: torch.Tensor  # [B] long
     advantages: torch.Tensor | None = None  # [B, L-1] float, filled by the advantage estimator
     samples: list[Sample] = field(default_factory=list, repr=False)
+    kl_penalty: torch.Tensor | None = None  # [B, L-1] KL-to-reference penalty per token (kl_in: reward)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def sequence_rewards(self) -> torch.Tensor:
+        """``[B]`` rewards less each sequence's summed KL penalty (when KL is a reward penalty)."""
+        if self.kl_penalty is None:
+            return self.rewards
+        return self.rewards - (self.kl_penalty * self.loss_mask).sum(dim=1)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences with at least one loss token."""
+        return int((self.loss_mask.sum(dim=1) > 0).sum().item())
 
     @property
     def num_tokens(self) -> int:
@@ -139,6 +151,7 @@ class TrainBatch:
             group_index=self.group_index[rows],
             advantages=None if self.advantages is None else self.advantages[rows, : width - 1],
             samples=samples,
+            kl_penalty=None if self.kl_penalty is None else self.kl_penalty[rows, : width - 1],
         )
 
     @classmethod
@@ -180,3 +193,4 @@ class LossInputs:
     batch: TrainBatch
     ref_logprobs: torch.Tensor | None = None  # the frozen reference policy, when one is configured
     entropy: torch.Tensor | None = None  # of the policy at each position; with grad if the loss sets needs_entropy_grad
+    sequence_normalizer: float = 1.0  # sequences with loss tokens in the whole batch (sequence-level aggregations)

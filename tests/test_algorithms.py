@@ -5,9 +5,15 @@ import math
 import pytest
 import torch
 
-from miles.builtin.advantages import grpo
-from miles.builtin.losses import ppo_clip, sft
+from types import SimpleNamespace
+
+from miles.builtin.advantages import batch_whiten, dr_grpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo
+from miles.builtin.losses import aggregate, ppo_clip, sft
 from miles.types import LossInputs, Sample, SampleStatus, TrainBatch
+
+
+def close(tensor, expected, tol=1e-5):
+    return torch.allclose(tensor, torch.tensor(expected, dtype=tensor.dtype), atol=tol, rtol=tol)
 
 
 def batch_of(rewards, groups, response_len=2):
@@ -86,3 +92,84 @@ def test_sft_is_token_mean_nll_over_the_global_batch():
     inputs = loss_inputs([-1.0, -3.0, -5.0], [0.0] * 3, [0.0] * 3, [1, 1, 0], normalizer=4.0)
     loss, _ = sft(inputs)
     assert loss.item() == pytest.approx(4.0 / 4.0)
+
+
+def test_dr_grpo_only_subtracts_the_group_mean():
+    batch = batch_of([3.0, 1.0, 2.0, 5.0], [0, 0, 0, 1])
+    assert dr_grpo(batch)[:, 1].tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0])
+
+
+def test_rloo_baseline_leaves_the_sample_out():
+    batch = batch_of([1.0, 0.0, 0.0, 1.0, 7.0], [0, 0, 0, 0, 1])
+    # 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3; a group of one has no baseline: 0.
+    assert rloo(batch)[:, 1].tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0])
+
+
+def test_batch_whitening_over_masked_tokens():
+    advantages = torch.tensor([[0.0, 1.0, 1.0], [0.0, 3.0, 9.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    out = batch_whiten(advantages, mask)  # tokens 1, 1, 3: mean 5/3, population std sqrt(8/9)
+    std = math.sqrt(8 / 9)
+    assert close(out, [[0.0, -2 / 3 / std, -2 / 3 / std], [0.0, 4 / 3 / std, 0.0]])
+    assert grpo(batch_of([1.0, 0.0, 3.0, 1.0], [0, 0, 1, 1]), whiten=True)[:, 1:].std(unbiased=False) == pytest.approx(1.0)
+
+
+def test_reinforce_pp_returns_carry_the_token_kl_penalty():
+    batch = batch_of([1.0, 0.0], [0, 0])  # loss mask [[0, 1, 1], [0, 1, 1]]
+    assert close(reinforce_pp(batch)[:, 1:], [[1.0, 1.0], [-1.0, -1.0]])  # whitened
+    batch.kl_penalty = torch.tensor([[0.0, 0.1, 0.2], [0.0, 0.3, 0.0]])
+    # Token rewards: [-0.1, 1 - 0.2] and [-0.3, 0]; returns sum to the end.
+    assert close(reinforce_pp(batch, whiten=False)[:, 1:], [[0.7, 0.8], [-0.3, 0.0]])
+    assert reinforce_pp(batch, gamma=0.5, whiten=False)[0, 1].item() == pytest.approx(-0.1 + 0.5 * 0.8)
+    assert batch.sequence_rewards().tolist() == pytest.approx([0.7, -0.3])  # what GRPO-style estimators use
+    batch.kl_penalty = None
+    assert close(reinforce_pp_baseline(batch, whiten=False)[:, 1:], [[0.5, 0.5], [-0.5, -0.5]])
+
+
+def test_aggregations_hand_computed():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    inputs = LossInputs(values, values, None, mask, 4.0, batch=None, sequence_normalizer=2.0)
+    assert aggregate(values, inputs, "token_mean").item() == pytest.approx(10 / 4)
+    assert aggregate(values, inputs, "seq_mean_token_mean").item() == pytest.approx((6 / 3 + 4 / 1) / 2)
+    assert aggregate(values, inputs, "seq_mean_token_sum").item() == pytest.approx((6 + 4) / 2)
+    assert aggregate(values, inputs, "constant", norm_tokens=4).item() == pytest.approx(10 / (2 * 4))
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    inputs = loss_inputs([1.5, 1.5], [0.0, 0.0], [-1.0, 1.0], [1, 1])
+    loss, metrics = ppo_clip(inputs, clip_c=3.0)
+    # A=-1, r=e^1.5=4.48: PPO gives 4.48, dual clip caps it at 3; A=+1 clips to -1.2.
+    assert loss.item() == pytest.approx((3.0 - 1.2) / 2, rel=1e-5)
+    assert metrics["train/dual_clip_frac"] == pytest.approx(0.5)
+    assert ppo_clip(inputs)[0].item() == pytest.approx((math.exp(1.5) - 1.2) / 2, rel=1e-5)
+
+
+def test_sequence_ratio_is_length_normalised_with_the_gspo_gradient():
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.5, -2.1]])
+    inputs = LossInputs(logprobs, old, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 2.0, batch=None)
+    loss, _ = ppo_clip(inputs, ratio="sequence", clip_low=10.0, clip_high=10.0, agg="seq_mean_token_mean")
+    s = math.exp((0.5 + 0.1) / 2)  # exp(mean log-ratio)
+    assert loss.item() == pytest.approx(-s, rel=1e-6)
+    loss.backward()
+    assert close(logprobs.grad, [[-s / 2, -s / 2]])  # -s * mean of grad log p
+    clipped, metrics = ppo_clip(inputs, ratio="sequence", clip_low=3e-4, clip_high=4e-4)
+    assert clipped.item() == pytest.approx(-1.0004) and metrics["train/clip_frac"] == 1.0
+
+
+@pytest.mark.parametrize("level, mode, expected_loss", [
+    ("token", "truncate", (-2.0 - 1.0) / 2), ("token", "mask", (0.0 - 1.0) / 2),
+    ("sequence", "truncate", (-2.0 - 2.0) / 2), ("sequence", "mask", 0.0),
+])
+def test_truncated_importance_sampling(level, mode, expected_loss):
+    old = torch.tensor([[-1.0, -1.0]])
+    batch = SimpleNamespace(rollout_logprobs=torch.tensor([[-2.0, -1.0]]))  # weights e^1 and 1 (sequence: e^1)
+    inputs = LossInputs(old.clone(), old, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 2.0, batch=batch)
+    loss, metrics = ppo_clip(inputs, tis=level, tis_mode=mode, tis_cap=2.0)
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-6)
+    if level == "token":
+        assert metrics["train/is_weight_mean"] == pytest.approx((math.e + 1) / 2)
+        assert metrics["train/is_clipped_frac"] == 0.5
+    else:
+        assert metrics["train/is_weight_mean"] == pytest.approx(math.e) and metrics["train/is_clipped_frac"] == 1.0

@@ -19,12 +19,12 @@ def test_defaults_file_and_overrides_merge():
 
 
 def test_renaming_a_component_on_the_command_line_drops_the_old_arguments():
-    config = load_config(QUICKSTART, ["loss.name=sft"])
-    assert config.loss == {"name": "sft"}  # clip_low/clip_high belonged to ppo_clip
-    config = load_config(QUICKSTART, ["loss.name=my_loss", "loss.beta=0.1"])
-    assert config.loss == {"name": "my_loss", "beta": 0.1}
-    config = load_config(QUICKSTART, ["loss.name=ppo_clip", "loss.clip_high=0.3"])  # same name: arguments kept
-    assert config.loss == {"name": "ppo_clip", "clip_low": 0.2, "clip_high": 0.3}
+    config = load_config(QUICKSTART, ["backend.name=my_backend"])
+    assert config.backend == {"name": "my_backend"}  # lr, max_grad_norm ... belonged to torch
+    config = load_config(QUICKSTART, ["backend.name=my_backend", "backend.beta=0.1"])
+    assert config.backend == {"name": "my_backend", "beta": 0.1}
+    config = load_config(QUICKSTART, ["backend.name=torch", "backend.lr=0.3"])  # same name: arguments kept
+    assert config.backend == {"name": "torch", "lr": 0.3, "max_grad_norm": 1.0, "micro_batch_size": 128}
 
 
 def test_unknown_key_and_wrong_type_reported_together():

@@ -1,4 +1,10 @@
-"""Builtin advantage estimators."""
+"""Builtin advantage estimators: ``fn(batch, **args) -> Tensor[B, L-1]`` (see docs/algorithms.md).
+
+Sequence rewards are ``batch.sequence_rewards()``: the reward minus the summed token KL penalty when
+``regularization.kl_in`` is ``reward``; REINFORCE++ uses the token penalties themselves.
+An estimator may carry ``loss_defaults``: loss arguments the runner fills in when the config's loss
+node does not set them (GSPO's sequence-level ratio, Dr. GRPO's constant normaliser).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ import torch
 
 from miles import hookimpl
 from miles.types import TrainBatch
+
+__all__ = ["group_stats", "batch_whiten", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"]
 
 
 def group_stats(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -20,19 +28,92 @@ def group_stats(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.
     return mean[inverse], std[inverse], count[inverse]
 
 
-def grpo(batch: TrainBatch, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """Group-relative advantage: ``(r - mean_group(r)) / (std_group(r) + eps)``, per sequence.
+def batch_whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Batch whitening over the masked tokens: zero mean, unit (population) std."""
+    count = mask.sum().clamp(min=1)
+    mean = (advantages * mask).sum() / count
+    var = (((advantages - mean) * mask) ** 2).sum() / count
+    return (advantages - mean) / (var.sqrt() + eps) * mask
 
-    ``std`` is the unbiased standard deviation of the group's rewards; with ``normalize_std=False``
-    only the mean is subtracted. The value is broadcast over the sequence's response tokens.
+
+def _per_token(per_sequence: torch.Tensor, batch: TrainBatch, whiten_batch: bool) -> torch.Tensor:
+    advantages = per_sequence.unsqueeze(1) * batch.loss_mask
+    return batch_whiten(advantages, batch.loss_mask) if whiten_batch else advantages
+
+
+def grpo(batch: TrainBatch, normalize_std: bool = True, eps: float = 1e-6, whiten: bool = False) -> torch.Tensor:
+    """GRPO: ``(r - mean_group(r)) / (std_group(r) + eps)`` per sequence, on every response token.
+
+    ``std`` is the unbiased std of the group's rewards; ``normalize_std=False`` only subtracts the mean.
     """
-    mean, std, _ = group_stats(batch.rewards, batch.group_index)
-    advantage = batch.rewards - mean
+    rewards = batch.sequence_rewards()
+    mean, std, _ = group_stats(rewards, batch.group_index)
+    advantage = rewards - mean
     if normalize_std:
         advantage = advantage / (std + eps)
-    return advantage.unsqueeze(1) * batch.loss_mask
+    return _per_token(advantage, batch, whiten)
+
+
+def dr_grpo(batch: TrainBatch, whiten: bool = False) -> torch.Tensor:
+    """Dr. GRPO: ``r - mean_group(r)``, no std division; pairs with a constant loss normaliser."""
+    rewards = batch.sequence_rewards()
+    mean, _, _ = group_stats(rewards, batch.group_index)
+    return _per_token(rewards - mean, batch, whiten)
+
+
+dr_grpo.loss_defaults = {"agg": "constant"}  # type: ignore[attr-defined]
+
+
+def rloo(batch: TrainBatch, whiten: bool = False) -> torch.Tensor:
+    """RLOO: ``r_i - mean_{j != i} r_j`` over the other samples of the group (0 for a group of one)."""
+    rewards = batch.sequence_rewards()
+    mean, _, count = group_stats(rewards, batch.group_index)
+    leave_one_out = torch.where(count > 1, count / (count - 1).clamp(min=1) * (rewards - mean), torch.zeros_like(rewards))
+    return _per_token(leave_one_out, batch, whiten)
+
+
+def _returns(batch: TrainBatch, final: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Discounted return at each response token: the sequence reward at its last token, minus the
+    token KL penalties (when configured as a reward), summed from each token to the end."""
+    mask = batch.loss_mask
+    rewards = torch.zeros_like(mask)
+    last = (mask * torch.arange(mask.shape[1])).argmax(dim=1)
+    rewards[torch.arange(len(mask)), last] = final
+    if batch.kl_penalty is not None:
+        rewards = rewards - batch.kl_penalty * mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(len(mask))
+    for t in reversed(range(mask.shape[1])):
+        running = rewards[:, t] + gamma * running * (mask[:, t] > 0)
+        returns[:, t] = running
+    return returns * mask
+
+
+def reinforce_pp(batch: TrainBatch, gamma: float = 1.0, whiten: bool = True) -> torch.Tensor:
+    """REINFORCE++: token returns (reward at the end, KL penalty per token) whitened over the batch."""
+    advantages = _returns(batch, batch.rewards, gamma)
+    return batch_whiten(advantages, batch.loss_mask) if whiten else advantages
+
+
+def reinforce_pp_baseline(batch: TrainBatch, gamma: float = 1.0, whiten: bool = True) -> torch.Tensor:
+    """REINFORCE++ with a baseline: the group mean reward is subtracted before the returns."""
+    mean, _, _ = group_stats(batch.rewards, batch.group_index)
+    advantages = _returns(batch, batch.rewards - mean, gamma)
+    return batch_whiten(advantages, batch.loss_mask) if whiten else advantages
+
+
+def gspo(batch: TrainBatch, eps: float = 1e-6, whiten: bool = False) -> torch.Tensor:
+    """GSPO: GRPO's group-normalised advantage, trained with a sequence-level, length-normalised
+    importance ratio and small clip ranges (its ``loss_defaults``)."""
+    return grpo(batch, normalize_std=True, eps=eps, whiten=whiten)
+
+
+gspo.loss_defaults = {  # type: ignore[attr-defined]
+    "ratio": "sequence", "clip_low": 3e-4, "clip_high": 4e-4, "agg": "seq_mean_token_mean",
+}
 
 
 @hookimpl(trylast=True)
 def miles_register_advantages(register):
-    register("grpo", grpo)
+    for estimator in (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gspo):
+        register(estimator.__name__, estimator)

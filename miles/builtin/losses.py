@@ -1,4 +1,5 @@
-"""Builtin losses. Each returns a loss already divided by ``inputs.token_normalizer``."""
+"""Builtin losses: PPO's clipped surrogate (token or sequence ratio, clip-higher, dual clip, truncated
+importance sampling, four aggregations) and the SFT loss. See docs/algorithms.md for the formulas."""
 
 from __future__ import annotations
 
@@ -7,33 +8,96 @@ import torch
 from miles import hookimpl
 from miles.types import LossInputs
 
+__all__ = ["AGGREGATIONS", "aggregate", "ppo_clip", "sft"]
 
-def _token_sum(values: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-    return (values * inputs.loss_mask).sum() / inputs.token_normalizer
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
 
-def ppo_clip(inputs: LossInputs, clip_low: float = 0.2, clip_high: float = 0.2) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO's clipped surrogate, token-mean over the batch.
+def aggregate(values: torch.Tensor, inputs: LossInputs, agg: str = "token_mean",
+              norm_tokens: int | None = None) -> torch.Tensor:
+    """Reduce per-token ``values`` over the loss mask; normalisers span the whole batch.
 
-    ``ratio = exp(logp - logp_old)``; per token ``max(-A * ratio, -A * clip(ratio, 1 - clip_low,
-    1 + clip_high))``.
+    ``token_mean``: sum / tokens; ``seq_mean_token_mean``: mean over sequences of each one's token
+    mean; ``seq_mean_token_sum``: mean over sequences of each one's token sum; ``constant``: token
+    sum / (sequences x ``norm_tokens``) (Dr. GRPO).
     """
+    mask = inputs.loss_mask
+    if agg == "token_mean":
+        return (values * mask).sum() / inputs.token_normalizer
+    per_sequence = (values * mask).sum(dim=1)
+    if agg == "seq_mean_token_mean":
+        return (per_sequence / mask.sum(dim=1).clamp(min=1)).sum() / inputs.sequence_normalizer
+    if agg == "seq_mean_token_sum":
+        return per_sequence.sum() / inputs.sequence_normalizer
+    if agg == "constant":
+        return per_sequence.sum() / (inputs.sequence_normalizer * norm_tokens)
+    raise ValueError(f"unknown aggregation {agg!r}; expected one of {', '.join(AGGREGATIONS)}")
+
+
+def _token_mean(values: torch.Tensor, inputs: LossInputs) -> float:
+    return float((values * inputs.loss_mask).sum() / inputs.token_normalizer)
+
+
+def _sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, 1]``: each sequence's mean of ``values`` over its masked tokens."""
+    return ((values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).unsqueeze(1)
+
+
+def _importance_weights(inputs: LossInputs, level: str, mode: str, cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance sampling between the trainer's old log-probs and the engine's."""
+    mask = inputs.loss_mask
+    log_w = inputs.old_logprobs - inputs.batch.rollout_logprobs.to(inputs.old_logprobs.device)
+    if level == "sequence":
+        log_w = (log_w * mask).sum(dim=1, keepdim=True).expand_as(mask)
+    weights = log_w.clamp(max=30.0).exp()
+    over = weights > cap
+    corrected = weights.clamp(max=cap) if mode == "truncate" else torch.where(over, 0.0, weights)
+    return corrected.detach(), {"train/is_weight_mean": _token_mean(weights, inputs),
+                                "train/is_clipped_frac": _token_mean(over.float(), inputs)}
+
+
+def ppo_clip(inputs: LossInputs, clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float | None = None,
+             ratio: str = "token", agg: str = "token_mean", norm_tokens: int | None = None,
+             tis: str = "none", tis_mode: str = "truncate", tis_cap: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped surrogate: per token ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
+
+    ``ratio="token"``: ``r = exp(logp - logp_old)`` per token; ``"sequence"`` (GSPO): each
+    sequence's length-normalised ratio ``exp(mean_t(logp - logp_old))``, with each token's gradient.
+    ``clip_c`` (dual clip, > 1) bounds the loss of negative-advantage tokens at ``-A clip_c``.
+    ``tis`` (``token`` or ``sequence``) weights each token by ``exp(logp_old - logp_rollout)``,
+    truncated at ``tis_cap`` (``tis_mode=truncate``) or dropped above it (``mask``); it needs the
+    backend's ``old_logprobs: recompute``. ``agg``: see :func:`aggregate`.
+    """
+    mask, advantages = inputs.loss_mask, inputs.advantages
     log_ratio = inputs.logprobs - inputs.old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -inputs.advantages * ratio
-    clipped = -inputs.advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = _token_sum(torch.maximum(unclipped, clipped), inputs)
+    if ratio == "sequence":
+        sequence = _sequence_mean(log_ratio, mask)
+        log_ratio = sequence.detach() + inputs.logprobs - inputs.logprobs.detach()
+    ratios = torch.exp(log_ratio)
+    unclipped = -advantages * ratios
+    clipped = -advantages * ratios.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    metrics: dict[str, float] = {}
     with torch.no_grad():
-        metrics = {
-            "train/clip_frac": float(_token_sum((clipped > unclipped).float(), inputs)),
-            "train/approx_kl": float(_token_sum(0.5 * log_ratio**2, inputs)),
-        }
-    return loss, metrics
+        metrics["train/clip_frac"] = _token_mean((clipped > unclipped).float(), inputs)
+        metrics["train/approx_kl"] = _token_mean(0.5 * (inputs.logprobs - inputs.old_logprobs) ** 2, inputs)
+    if clip_c is not None:
+        bound = -advantages * clip_c
+        dual = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
+        metrics["train/dual_clip_frac"] = _token_mean(dual.float(), inputs)
+    if tis != "none":
+        weights, tis_metrics = _importance_weights(inputs, tis, tis_mode, tis_cap)
+        per_token = per_token * weights
+        metrics.update(tis_metrics)
+    return aggregate(per_token, inputs, agg, norm_tokens), metrics
 
 
-def sft(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
-    """Negative log-likelihood of the loss-masked tokens, token-mean over the batch."""
-    return _token_sum(-inputs.logprobs, inputs), {}
+
+
+def sft(inputs: LossInputs, agg: str = "token_mean") -> tuple[torch.Tensor, dict[str, float]]:
+    """Negative log-likelihood of the loss-masked tokens."""
+    return aggregate(-inputs.logprobs, inputs, agg), {}
 
 
 @hookimpl(trylast=True)

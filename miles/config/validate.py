@@ -98,5 +98,9 @@ def validate_config(config: DictConfig, registry: Registry) -> None:
         problems.append(f"model.tokenizer.kind: only 'char' can be built locally, got {config.model.tokenizer.kind!r}")
     if config.data.train_path is None and config.data.generator is None:
         problems.append("data: set data.train_path (a JSONL or Parquet file) or data.generator (synthetic data)")
+    if not problems:  # combinations are judged once each part is well-formed
+        from miles.config.algorithms import conflicts
+
+        problems += conflicts(config, registry)
     if problems:
         raise ConfigError("Config is not well-formed, found the following errors:\n- " + "\n- ".join(problems))

@@ -15,7 +15,7 @@ import heapq
 
 import torch
 
-__all__ = ["micro_batch_indices", "balanced_partition", "plan_step"]
+__all__ = ["micro_batch_indices", "balanced_partition", "plan_step", "normalizers"]
 
 Plan = list[list[list[list[int]]]]
 
@@ -84,3 +84,13 @@ def plan_step(lengths: torch.Tensor, *, world_size: int = 1, mini_batches: int =
         count = max(len(m) for m in per_rank)
         plan.append([_equalize(m, count) for m in per_rank])
     return plan
+
+
+def normalizers(loss_mask: torch.Tensor, plan: Plan) -> list[tuple[float, float]]:
+    """Per mini-batch of ``plan``: its loss tokens and its sequences with loss tokens, over all ranks."""
+    out = []
+    for mini in plan:
+        rows = [r for share in mini for micro in share for r in micro]
+        per_row = loss_mask[rows].sum(dim=1)
+        out.append((float(per_row.sum()), float((per_row > 0).sum())))
+    return out

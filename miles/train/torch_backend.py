@@ -13,7 +13,7 @@ import torch
 
 from miles.models import load_model, save_pretrained
 from miles.train.backend import LossFn
-from miles.train.batching import Plan, plan_step
+from miles.train.batching import Plan, normalizers, plan_step
 from miles.train.logprobs import token_logprobs
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
 from miles.train.regularizers import kl_estimate
@@ -82,19 +82,20 @@ class Policy:
             out.append(values if rows else values[:0])
         return out
 
-    def train(self, batch: TrainBatch, plan: list[list[list[int]]], normalizers: list[float], loss_fn: LossFn,
+    def train(self, batch: TrainBatch, plan: list[list[list[int]]], norms: list[tuple[float, float]], loss_fn: LossFn,
               loss_scale: float = 1.0) -> tuple[list[dict[str, float]], list[float], float]:
-        """Run ``plan[mini_batch][micro_batch] -> rows``; returns per-mini-batch metric sums, gradient
-        norms, and the learning rate of the first optimizer step."""
+        """Run ``plan[mini_batch][micro_batch] -> rows`` with ``norms[mini_batch] = (tokens, sequences)``
+        over all ranks; returns per-mini-batch metric sums, gradient norms, and the learning rate of
+        the first optimizer step."""
         lr = self.scheduler.get_last_lr()[0]
         if self.options.old_logprobs == "recompute":  # all before the first optimizer step
             olds = [self.logprobs(batch, micros) for micros in plan]
-        sums, norms = [], []
+        sums, grad_norms = [], []
         needs_entropy_grad = getattr(loss_fn, "needs_entropy_grad", False)
         for k, micros in enumerate(plan):
             self.optimizer.zero_grad(set_to_none=True)
             totals: dict[str, float] = defaultdict(float)
-            normalizer = max(normalizers[k], 1.0)
+            normalizer, sequences = max(norms[k][0], 1.0), max(norms[k][1], 1.0)
             for m, rows in enumerate(micros):
                 micro = self._micro(batch, rows)
                 logprobs, entropy = self._forward(self.model, micro, with_entropy=True, entropy_grad=needs_entropy_grad)
@@ -106,7 +107,7 @@ class Policy:
                 ref = self._forward(self.ref_model, micro).float().detach() if self.ref_model is not None else None
                 mask = micro.loss_mask.to(self.device)
                 advantages = None if micro.advantages is None else micro.advantages.to(self.device)
-                inputs = LossInputs(logprobs, old, advantages, mask, normalizer, micro, ref, entropy)
+                inputs = LossInputs(logprobs, old, advantages, mask, normalizer, micro, ref, entropy, sequences)
                 loss, metrics = loss_fn(inputs)
                 (loss * loss_scale).backward()
                 with torch.no_grad():
@@ -122,11 +123,11 @@ class Policy:
                 totals["train/micro_batches"] += 1
             max_norm = self.options.max_grad_norm or float("inf")
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
             self.optimizer.step()
             self.scheduler.step()
             sums.append(dict(totals))
-        return sums, norms, lr
+        return sums, grad_norms, lr
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
@@ -192,8 +193,7 @@ class TorchBackend:
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         plan = self._plan(batch)
-        normalizers = [float(sum(batch.loss_mask[rows].sum() for rows in mini[0])) for mini in plan]
-        return combine_metrics(*self.policy.train(batch, [mini[0] for mini in plan], normalizers, loss_fn))
+        return combine_metrics(*self.policy.train(batch, [mini[0] for mini in plan], normalizers(batch.loss_mask, plan), loss_fn))
 
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         micros = plan_step(batch.attention_mask.sum(dim=1), max_samples=self.options.micro_batch_size,

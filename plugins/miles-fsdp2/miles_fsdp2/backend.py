@@ -11,7 +11,7 @@ import torch
 from miles.errors import ConfigError, RunError
 from miles.models import save_state_dict
 from miles.train.backend import LossFn
-from miles.train.batching import plan_step
+from miles.train.batching import normalizers, plan_step
 from miles.train.options import TrainOptions, takes_train_options
 from miles.train.torch_backend import assemble_rows, combine_metrics
 from miles.types import TrainBatch
@@ -145,8 +145,7 @@ class FSDP2Backend:
         plan = plan_step(batch.attention_mask.sum(dim=1), world_size=self.world_size,
                          mini_batches=self.options.mini_batches, max_samples=self.options.micro_batch_size,
                          max_tokens=self.options.max_tokens_per_micro_batch)
-        normalizers = [float(sum(batch.loss_mask[rows].sum() for share in mini for rows in share)) for mini in plan]
-        results = self._all("train", normalizers, loss_fn, per_rank=self._shares(batch, plan))
+        results = self._all("train", normalizers(batch.loss_mask, plan), loss_fn, per_rank=self._shares(batch, plan))
         sums: list[dict[str, float]] = [{} for _ in plan]
         for rank_sums, _, _ in results:
             for k, totals in enumerate(rank_sums):

@@ -73,10 +73,10 @@ class FSDPWorker:
             ref = shard(load_model(ref_model_path).to(device).requires_grad_(False), mesh).eval()
         self.policy = Policy(model, self.options, device, ref, total_steps)
 
-    def train(self, batch: TrainBatch, plan: list[list[list[int]]], normalizers: list[float], loss_fn: Any):
+    def train(self, batch: TrainBatch, plan: list[list[list[int]]], norms: list[tuple[float, float]], loss_fn: Any):
         # The gradient reduce-scatter averages over ranks; the loss is already divided by the global
         # token count, so scaling by the world size makes the result the single-process gradient.
-        return self.policy.train(batch, plan, normalizers, loss_fn, loss_scale=float(self.world_size))
+        return self.policy.train(batch, plan, norms, loss_fn, loss_scale=float(self.world_size))
 
     def logprobs(self, batch: TrainBatch, micros: list[list[int]], reference: bool) -> list[torch.Tensor]:
         return self.policy.logprobs(batch, micros, reference=reference)

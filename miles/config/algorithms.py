@@ -1,0 +1,67 @@
+"""How the algorithm's components fit together: defaults an estimator brings to the loss, and
+combinations refused before the run starts (each message names the options that conflict)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from omegaconf import DictConfig, open_dict
+
+from miles.config.validate import component_node
+from miles.registry import Registry
+
+__all__ = ["apply_estimator_defaults", "conflicts"]
+
+
+def _obj(registry: Registry, kind: str, node: Any) -> Any:
+    try:
+        return registry.get(kind, component_node(node)["name"]).obj
+    except Exception:  # noqa: BLE001 - an unknown name is reported by validate_config
+        return None
+
+
+def apply_estimator_defaults(config: DictConfig, registry: Registry) -> None:
+    """Fill in the loss arguments the advantage estimator needs (its ``loss_defaults``) where the
+    loss node does not set them, and the constant normaliser from the generation budget."""
+    estimator = _obj(registry, "advantage", config.advantage)
+    if isinstance(config.loss, str):
+        config.loss = {"name": config.loss}
+    loss = _obj(registry, "loss", config.loss)
+    if loss is None:
+        return
+    accepted = set(inspect.signature(loss).parameters)
+    with open_dict(config):
+        for key, value in getattr(estimator, "loss_defaults", {}).items():
+            if key in accepted and key not in config.loss:
+                config.loss[key] = value
+        if config.loss.get("agg") == "constant" and "norm_tokens" in accepted and config.loss.get("norm_tokens") is None:
+            config.loss["norm_tokens"] = int(config.rollout.sampling.max_new_tokens)
+
+
+def conflicts(config: DictConfig, registry: Registry) -> list[str]:
+    """Combinations that cannot work, each as a message naming the options involved."""
+    problems = []
+    advantage, loss, backend = (component_node(config[key]) for key in ("advantage", "loss", "backend"))
+    loss_fn = _obj(registry, "loss", config.loss)
+    if advantage.get("name") == "dr_grpo":
+        if advantage.get("whiten"):
+            problems.append("advantage.whiten=true conflicts with advantage.name=dr_grpo: Dr. GRPO removes the std "
+                            "normalisation that whitening brings back")
+        if loss.get("agg", "constant") != "constant":
+            problems.append(f"loss.agg={loss['agg']} conflicts with advantage.name=dr_grpo: Dr. GRPO needs the constant "
+                            f"normaliser (loss.agg=constant)")
+    if loss.get("tis", "none") != "none" and backend.get("old_logprobs", "rollout") != "recompute":
+        problems.append(f"loss.tis={loss['tis']} needs backend.old_logprobs=recompute: truncated importance sampling "
+                        f"weighs the trainer's old log-probs against the engine's, and with old_logprobs=rollout "
+                        f"they are the same")
+    if getattr(loss_fn, "needs_ref_logprobs", False) and config.regularization.kl_coef <= 0:
+        problems.append(f"loss.name={loss.get('name')} needs a reference model, which loads only with "
+                        f"regularization.kl_coef > 0")
+    if config.rollout.n_samples < 2:
+        for i, node in enumerate(config.selection):
+            if component_node(node).get("name") in ("drop_equal_rewards", "dynamic_sampling"):
+                problems.append(f"selection[{i}]={component_node(node)['name']} with rollout.n_samples="
+                                f"{config.rollout.n_samples} would discard every group forever (a group of one "
+                                f"sample always has equal rewards): set rollout.n_samples >= 2")
+    return problems

@@ -101,3 +101,22 @@ def test_plugin_guide_examples_train_together(tmp_path):
     assert all(r["custom/step_parity"] == r["step"] % 2 for r in rows)  # the lifecycle example ran
     assert all(r["samples/failed"] == 0 for r in rows)
     assert rows[-1]["weight_version"] == 3
+
+
+def test_algorithm_page_examples_train(tmp_path):
+    """The custom estimator and custom loss of docs/algorithms/ in one short run each."""
+    import json
+    import types
+
+    from miles.runner import prepare, train
+
+    for page, overrides in (("advantages.md", ["advantage.name=max_baseline", "advantage.margin=0.1"]),
+                            ("losses.md", ["loss.name=my_reinforce", "loss.scale=0.5"])):
+        module = types.ModuleType(f"docs_{page}")
+        exec(compile("\n\n".join(python_blocks(DOCS / "algorithms" / page)), page, "exec"), module.__dict__)
+        run_dir = tmp_path / page
+        train(prepare("configs/quickstart.yaml", [
+            f"run.dir={run_dir}", "run.steps=2", "sft.steps=0", "run.eval_size=0", "run.progress=false",
+            "rollout.prompts_per_step=4", *overrides], extra_plugins=[(page, module)]))
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [0, 1] and all(r["train/grad_norm"] >= 0 for r in rows)

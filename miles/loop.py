@@ -31,7 +31,7 @@ class Components:
     rollout_ctx: RolloutContext
     plane: Any  # miles.rollout.plane.RolloutPlane
     reward_fn: Callable
-    selectors: list[Callable]
+    collector: Any  # miles.rollout.collect.GroupCollector: rounds, selectors, buffer
     advantage_fn: Callable
     loss_fn: Callable
     backend: Any
@@ -59,28 +59,26 @@ def _check_failures(step: int, samples: list[Sample], max_failed_frac: float) ->
 
 def rl_step(c: Components, step: int) -> dict[str, float]:
     start = time.perf_counter()
-    prompts = c.train_data.next(c.prompts_per_step)
-    groups = make_groups(prompts, c.n_samples, first_group_index=step * c.prompts_per_step)
-    samples = [s for g in groups for s in g.samples]
-    run_rollouts(groups, c.rollout_fn, c.rollout_ctx)
-    score_samples(samples, c.reward_fn)
-    rollout_s = time.perf_counter() - start
-    failed = _check_failures(step, samples, c.max_failed_frac)
+    failed: list[int] = []
 
-    kept: list[Group] = groups
-    for selector in c.selectors:
-        kept = selector(kept)
+    def check(samples: list[Sample]) -> None:
+        failed.append(_check_failures(step, samples, c.max_failed_frac))
+
+    collected = c.collector.collect(c.train_data, c.rollout_fn, c.rollout_ctx, c.reward_fn, check)
+    samples, kept = collected.samples, collected.groups
+    rollout_s = time.perf_counter() - start
     c.pm.hook.miles_rollout_end(step=step, groups=kept)
 
     rewarded = [s for s in samples if s.trainable]
     response_tokens = sum(len(s.response_ids) for s in samples)
     metrics: dict[str, float] = {
         "reward/mean": fmean(s.scalar_reward for s in rewarded) if rewarded else float("nan"),
-        "response/length_mean": fmean(len(s.response_ids) for s in samples),
-        "rollout/truncated_frac": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
+        "response/length_mean": fmean(len(s.response_ids) for s in samples) if samples else 0.0,
+        "rollout/truncated_frac": (sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples)
+                                   if samples else 0.0),
         "samples/total": len(samples),
-        "samples/failed": failed,
-        "selection/groups_removed": len(groups) - len(kept),
+        "samples/failed": sum(failed),
+        **collected.metrics,
         "time/rollout_s": rollout_s,
         "rollout/tokens_per_s": response_tokens / rollout_s if rollout_s > 0 else 0.0,
     }
@@ -95,6 +93,7 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
             batch.kl_penalty = c.kl_reward_coef * kl
             metrics["rollout/kl_penalty_mean"] = float(batch.kl_penalty.sum(dim=1).mean())
         batch.advantages = c.advantage_fn(batch)
+        metrics["train/nonzero_adv_frac"] = float((batch.advantages.abs().sum(dim=1) > 0).float().mean())
         metrics.update(c.backend.train_step(batch, c.loss_fn))
         train_s = time.perf_counter() - train_start
         sync_start = time.perf_counter()

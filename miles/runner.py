@@ -29,6 +29,7 @@ from miles.loop import Components, evaluate, rl_step, sft_step
 from miles.models import build_model_dir, load_tokenizer
 from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
+from miles.rollout.collect import GroupCollector
 from miles.rollout.context import RolloutContext
 from miles.rollout.plane import RolloutPlane
 from miles.train.regularizers import regularized
@@ -235,8 +236,9 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         rollout_ctx=RolloutContext(engine=plane.client, tokenizer=run.tokenizer, sampling_params=sampling, run=plane.run),
         plane=plane,
         reward_fn=p.build("reward", "reward"),
-        selectors=[p.registry.build("data_selector", component_node(n), f"selection[{i}]")
-                   for i, n in enumerate(config.selection)],
+        collector=GroupCollector(
+            [(component_node(n)["name"], p.registry.build("data_selector", component_node(n), f"selection[{i}]"))
+             for i, n in enumerate(config.selection)], config.rollout.prompts_per_step, config.rollout.n_samples),
         advantage_fn=p.build("advantage", "advantage"),
         loss_fn=regularized(p.build("loss", "loss"), kl_coef=reg.kl_coef if reg.kl_in == "loss" else 0.0,
                             kl_estimator=reg.kl_estimator, entropy_coef=reg.entropy_coef),
@@ -259,6 +261,7 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         backend.load_checkpoint(ckpt.backend_dir)
         loop_state = ckpt.loop_state()
         c.train_data.position = loop_state["data_position"]
+        c.collector.load_state_dict(loop_state["collector"])
         set_rng_state(loop_state["rng"])
         for engine, state in zip(plane.local_engines, loop_state["engine_rng"]):
             engine.set_rng_state(state)
@@ -283,7 +286,8 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         state = {"step": steps_done, "weight_version": plane.weight_version, "rewards": rewards,
                  "start_model": model_path, "model": model_signature(run.base_model), "backend": config.backend.name,
                  "plugins": run.stack, "summary": {k: v for k, v in run.summary.items() if k.startswith("eval_")}}
-        loop_state = {"data_position": c.train_data.position, "rng": rng_state(), "engine_rng": _engine_rng(plane)}
+        loop_state = {"data_position": c.train_data.position, "rng": rng_state(), "engine_rng": _engine_rng(plane),
+                      "collector": c.collector.state_dict()}
         path = save_checkpoint(run.run_dir / "checkpoints", state, loop_state, backend, keep=run_cfg.keep_checkpoints)
         p.pm.hook.miles_checkpoint_save(path=str(path), step=steps_done)
         run.timed("checkpoint", save_start)

@@ -33,19 +33,15 @@ from statistics import fmean, median
 
 import torch
 
-from miles.runner import prepare, train
+from _common import ROLLING, first_reach, miles_grpo_phase, sft_checkpoint
 
-CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml")
-TARGETS, ROLLING, WINDOW = (0.5, 0.7), 10, 20
+TARGETS, WINDOW = (0.5, 0.7), 20
 Curve = tuple[list[float], list[float]]  # per-step rewards, per-step wall times (s)
 
 
 def miles_grpo(model_dir: Path, train_file: Path, run_dir: Path, steps: int, seed: int) -> Curve:
     """Per-step rewards and wall times of Miles' runner on the quickstart config."""
-    train(prepare(CONFIG, [f"run.dir={run_dir}", f"model.path={model_dir}", f"data.train_path={train_file}",
-                           "sft.steps=0", "run.eval_size=0", "run.progress=false", f"run.steps={steps}",
-                           f"run.seed={seed}"]))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = miles_grpo_phase(model_dir, train_file, run_dir, [f"run.steps={steps}", f"run.seed={seed}"])
     return [r["reward/mean"] for r in rows], [r["time/step_s"] for r in rows]
 
 
@@ -93,14 +89,6 @@ def row(label: str, cells: list[str]) -> None:
     print(f"  {label:<34}" + "".join(f"{c:>20}" for c in cells))
 
 
-def first_reach(rewards: list[float], times: list[float], target: float) -> tuple[int, float] | None:
-    """The first step (1-based) whose rolling mean reward reaches ``target``, and the wall time up to it."""
-    for step in range(ROLLING, len(rewards) + 1):
-        if fmean(rewards[step - ROLLING : step]) >= target:
-            return step, sum(times[:step])
-    return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -111,8 +99,7 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        train(prepare(CONFIG, [f"run.dir={tmp / 'sft'}", "run.steps=0", "run.progress=false", f"run.seed={args.seed}"]))
-        model_dir, train_file = tmp / "sft" / "sft_model", tmp / "sft" / "data" / "train.jsonl"
+        model_dir, train_file = sft_checkpoint(tmp / "sft", args.seed)
         results = {}
         if not args.skip_miles:
             results["miles"] = miles_grpo(model_dir, train_file, tmp / "miles", args.steps, args.seed)

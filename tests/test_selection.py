@@ -1,6 +1,7 @@
 """Data selection: dynamic sampling fills the batch, over-sampling, buffers, the overlong penalty."""
 
 import json
+import math
 
 import pytest
 
@@ -114,3 +115,25 @@ def test_dynamic_sampling_in_a_run_keeps_the_batch_full(tmp_path):
     assert all(r["train/nonzero_adv_frac"] == 1.0 for r in rows)  # no group without signal is trained on
     assert any(r["selection/rounds"] > 1 for r in rows) and sum(r["selection/dynamic_sampling_removed"] for r in rows) > 0
     assert all(r["samples/total"] == 8 * (8 + r["selection/groups_removed"]) for r in rows if r["selection/rounds"] > 0)
+
+
+def test_curriculum_draws_prompts_by_recent_pass_rate():
+    from miles.builtin.selectors import Curriculum
+
+    curriculum = Curriculum(target=0.5, width=0.25, min_weight=0.05, window=4)
+    c, data = collector(curriculum, prompts=8)
+    # Rows 0, 2, 4 ... are always solved (pass rate 1), odd rows half the time (0.5, the target).
+    for _ in range(6):
+        collect(c, data)
+    assert curriculum.pass_rate(0) == 1.0 and curriculum.pass_rate(1) == 0.5
+    assert curriculum.weight(1) == 1.0
+    assert curriculum.weight(0) == pytest.approx(max(0.05, math.exp(-0.25 / (2 * 0.0625))))
+    drawn = [p.index for p in curriculum.choose_prompts(data, 2000)]
+    odd = sum(i % 2 for i in drawn) / len(drawn)
+    unseen = [i for i in drawn if i not in curriculum.history]
+    assert odd > 0.7  # half-solved prompts are drawn far more than always-solved ones
+    assert unseen  # prompts not yet seen count as at the target: they are drawn too
+    state = curriculum.state_dict()
+    again = Curriculum(window=4)
+    again.load_state_dict(state)
+    assert [p.index for p in again.choose_prompts(data, 20)] == [p.index for p in curriculum.choose_prompts(data, 20)]

@@ -31,6 +31,8 @@ class GroupCollector:
         self.selectors, self.prompts_per_step, self.n_samples = selectors, prompts_per_step, n_samples
         self.extra_rounds = max((getattr(s, "extra_rounds", 0) for _, s in selectors), default=0)
         self.prompts_factor = max((getattr(s, "prompts_factor", 1.0) for _, s in selectors), default=1.0)
+        choosers = [s for _, s in selectors if hasattr(s, "choose_prompts")]
+        self.chooser = choosers[-1] if choosers else None
         buffers = [s for _, s in selectors if hasattr(s, "buffer_policy")]
         self.buffer_spec = buffers[-1] if buffers else None
         self.buffer: list[Group] = []  # oldest first
@@ -47,7 +49,8 @@ class GroupCollector:
         rounds = 0
         while len(kept) < target and rounds <= self.extra_rounds:
             count = math.ceil((target - len(kept)) * self.prompts_factor)
-            groups = make_groups(data.next(count), self.n_samples, first_group_index=self.next_group_index)
+            prompts = self.chooser.choose_prompts(data, count) if self.chooser else data.next(count)
+            groups = make_groups(prompts, self.n_samples, first_group_index=self.next_group_index)
             self.next_group_index += count
             fresh = [s for g in groups for s in g.samples]
             run_rollouts(groups, rollout_fn, ctx)
@@ -97,7 +100,10 @@ class GroupCollector:
         return overflow
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_group_index": self.next_group_index, "buffer": list(self.buffer)}
+        selectors = {i: s.state_dict() for i, (_, s) in enumerate(self.selectors) if hasattr(s, "state_dict")}
+        return {"next_group_index": self.next_group_index, "buffer": list(self.buffer), "selectors": selectors}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_group_index, self.buffer = state["next_group_index"], list(state["buffer"])
+        for i, selector_state in state["selectors"].items():
+            self.selectors[i][1].load_state_dict(selector_state)

@@ -3,7 +3,7 @@
 All runs start from the same SFT checkpoint (Miles' SFT recipe) and train the quickstart's GRPO
 phase (16 prompts x 8 samples per step, 200 steps, its loss and backend) with ``advantage.name``
 set to each estimator, which brings its own loss defaults (gspo: sequence ratio; dr_grpo: constant
-normaliser). Prints, for each, the step and wall time at which the rolling-10 training reward first
+normaliser; ppo: a value model). Prints, for each, the step and wall time at which the rolling-10 training reward first
 reaches 0.5 and 0.7, the final reward, and the samples generated (dynamic sampling generates more
 per step to keep the batch full).
 
@@ -21,7 +21,7 @@ import torch
 
 from _common import first_reach, miles_grpo_phase, sft_checkpoint
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo")
 TARGETS = (0.5, 0.7)
 
 

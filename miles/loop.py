@@ -92,6 +92,8 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
             kl = kl_estimate(batch.rollout_logprobs, c.backend.ref_logprobs(batch), c.kl_estimator) * batch.loss_mask
             batch.kl_penalty = c.kl_reward_coef * kl
             metrics["rollout/kl_penalty_mean"] = float(batch.kl_penalty.sum(dim=1).mean())
+        if getattr(c.advantage_fn, "needs_values", False):
+            batch.values = c.backend.compute_values(batch)
         batch.advantages = c.advantage_fn(batch)
         metrics["train/nonzero_adv_frac"] = float((batch.advantages.abs().sum(dim=1) > 0).float().mean())
         metrics.update(c.backend.train_step(batch, c.loss_fn))

@@ -141,5 +141,26 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrain
     return AutoModelForCausalLM.from_pretrained(_check_dir(path), dtype=dtype)
 
 
+def load_critic(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A value model: the checkpoint's transformer with a new scalar head without bias (one value per
+    position), initialised to zero so every value starts at 0 whatever the RNG state."""
+    from transformers import AutoModelForTokenClassification
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the new head is expected to be missing from the checkpoint
+    try:
+        critic = AutoModelForTokenClassification.from_pretrained(_check_dir(path), num_labels=1, dtype=dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    with torch.no_grad():
+        for module in critic.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0  # the head's dropout (0.1 by default): values must not depend on the RNG
+            if isinstance(module, torch.nn.Linear) and module.out_features == 1:
+                module.weight.zero_()
+                module.bias = None  # a one-element parameter cannot be split over data-parallel ranks
+    return critic
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(_check_dir(path))

@@ -226,8 +226,11 @@ def _rl_phase(run: _Run, model_path: str) -> str:
                                  startup_timeout_s=config.cluster.engine_startup_timeout_s)
     run.closing.callback(backend.shutdown)
     reg = config.regularization
+    estimator = p.registry.get("advantage", component_node(config.advantage)["name"]).obj
     backend.setup(model_path, seed=run.seed, total_steps=run_cfg.steps,
-                  **({"ref_model_path": model_path} if reg.kl_coef > 0 else {}))
+                  **({"ref_model_path": model_path} if reg.kl_coef > 0 else {}),
+                  # A value model starts from the policy's checkpoint with a new scalar head.
+                  **({"critic_model_path": model_path} if getattr(estimator, "needs_values", False) else {}))
     sampling = OmegaConf.to_container(config.rollout.sampling)
     c = Components(
         pm=p.pm,

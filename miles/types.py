@@ -113,6 +113,8 @@ class TrainBatch:
     advantages: torch.Tensor | None = None  # [B, L-1] float, filled by the advantage estimator
     samples: list[Sample] = field(default_factory=list, repr=False)
     kl_penalty: torch.Tensor | None = None  # [B, L-1] KL-to-reference penalty per token (kl_in: reward)
+    values: torch.Tensor | None = None  # [B, L-1] the value model's estimates before the update (PPO)
+    returns: torch.Tensor | None = None  # [B, L-1] the value targets, set by estimators that train a critic
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -152,6 +154,8 @@ class TrainBatch:
             advantages=None if self.advantages is None else self.advantages[rows, : width - 1],
             samples=samples,
             kl_penalty=None if self.kl_penalty is None else self.kl_penalty[rows, : width - 1],
+            values=None if self.values is None else self.values[rows, : width - 1],
+            returns=None if self.returns is None else self.returns[rows, : width - 1],
         )
 
     @classmethod

@@ -173,3 +173,20 @@ def test_truncated_importance_sampling(level, mode, expected_loss):
         assert metrics["train/is_clipped_frac"] == 0.5
     else:
         assert metrics["train/is_weight_mean"] == pytest.approx(math.e) and metrics["train/is_clipped_frac"] == 1.0
+
+
+def test_ppo_gae_hand_computed():
+    from miles.builtin.advantages import ppo
+
+    batch = batch_of([1.0], [0])  # loss mask [[0, 1, 1]]
+    batch.values = torch.tensor([[9.0, 0.5, 0.8]])  # the prompt column's value is ignored
+    assert close(ppo(batch, gamma=1.0, lam=1.0, whiten=False), [[0.0, 0.5, 0.2]])  # = R - V with lam 1
+    assert close(batch.returns, [[0.0, 1.0, 1.0]])
+    # lam = 0.5: A_1 = delta_1 + 0.5 * delta_2 = (0.8 - 0.5) + 0.5 * 0.2
+    assert close(ppo(batch, gamma=1.0, lam=0.5, whiten=False), [[0.0, 0.4, 0.2]])
+    # gamma = 0.5: delta_1 = 0.5 * 0.8 - 0.5, delta_2 = 0.2; A_1 = -0.1 + 0.5 * 0.5 * 0.2
+    assert close(ppo(batch, gamma=0.5, lam=0.5, whiten=False), [[0.0, -0.05, 0.2]])
+    masked = batch_of([1.0], [0], response_len=3)  # an observation token in the middle is skipped
+    masked.loss_mask[0, 2] = 0
+    masked.values = torch.tensor([[0.0, 0.5, 7.0, 0.8]])
+    assert close(ppo(masked, gamma=1.0, lam=1.0, whiten=False), [[0.0, 0.5, 0.0, 0.2]])

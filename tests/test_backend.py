@@ -165,3 +165,35 @@ def test_bfloat16_and_cuda_are_refused_without_a_gpu(tiny_model_dir):
     backend = TorchBackend(dtype="auto")
     backend.setup(str(tiny_model_dir), seed=0)
     assert backend.policy.autocast is None and next(backend.model.parameters()).dtype == torch.float32
+
+
+def test_value_model_learns_returns_after_policy_warm_up(tiny_model_dir, tmp_path):
+    from miles.builtin.advantages import ppo
+
+    backend = TorchBackend(lr=1e-2, critic_lr=1e-2, critic_warmup_steps=1)
+    backend.setup(str(tiny_model_dir), seed=0, critic_model_path=str(tiny_model_dir))
+
+    def ppo_batch():
+        batch = make_train_batch()
+        batch.values = backend.compute_values(batch)
+        batch.advantages = ppo(batch)
+        return batch
+
+    policy_before = {k: v.clone() for k, v in backend.export_weights().items()}
+    first = backend.train_step(ppo_batch(), ppo_clip)
+    assert first["train/critic_warmup"] == 1.0
+    assert all(torch.equal(policy_before[k], v) for k, v in backend.export_weights().items())  # only the critic moved
+    losses = [backend.train_step(ppo_batch(), ppo_clip)["critic/loss"] for _ in range(5)]
+    assert losses[-1] < losses[0] < first["critic/loss"]  # the value model fits the returns
+    assert any(not torch.equal(policy_before[k], v) for k, v in backend.export_weights().items())
+
+    (tmp_path / "ckpt").mkdir()
+    backend.save_checkpoint(str(tmp_path / "ckpt"))
+    batch = ppo_batch()
+    expected = backend.train_step(batch, ppo_clip)
+    resumed = TorchBackend(lr=1e-2, critic_lr=1e-2, critic_warmup_steps=1)
+    resumed.setup(str(tiny_model_dir), seed=0, critic_model_path=str(tiny_model_dir))
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert torch.equal(resumed.compute_values(batch), batch.values)
+    again = resumed.train_step(batch, ppo_clip)
+    assert again["critic/loss"] == expected["critic/loss"] and again["train/loss"] == expected["train/loss"]

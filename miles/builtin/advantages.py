@@ -13,7 +13,7 @@ import torch
 from miles import hookimpl
 from miles.types import TrainBatch
 
-__all__ = ["group_stats", "batch_whiten", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"]
+__all__ = ["group_stats", "batch_whiten", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"]
 
 
 def group_stats(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,15 +72,20 @@ def rloo(batch: TrainBatch, whiten: bool = False) -> torch.Tensor:
     return _per_token(leave_one_out, batch, whiten)
 
 
-def _returns(batch: TrainBatch, final: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Discounted return at each response token: the sequence reward at its last token, minus the
-    token KL penalties (when configured as a reward), summed from each token to the end."""
+def _token_rewards(batch: TrainBatch, final: torch.Tensor) -> torch.Tensor:
+    """``[B, L-1]``: the sequence reward at its last response token, less the token KL penalties."""
     mask = batch.loss_mask
     rewards = torch.zeros_like(mask)
     last = (mask * torch.arange(mask.shape[1])).argmax(dim=1)
     rewards[torch.arange(len(mask)), last] = final
     if batch.kl_penalty is not None:
         rewards = rewards - batch.kl_penalty * mask
+    return rewards
+
+
+def _returns(batch: TrainBatch, final: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Discounted return at each response token of the token rewards, summed to the end."""
+    mask, rewards = batch.loss_mask, _token_rewards(batch, final)
     returns = torch.zeros_like(rewards)
     running = torch.zeros(len(mask))
     for t in reversed(range(mask.shape[1])):
@@ -113,7 +118,28 @@ gspo.loss_defaults = {  # type: ignore[attr-defined]
 }
 
 
+def ppo(batch: TrainBatch, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True) -> torch.Tensor:
+    """PPO with GAE: ``delta_t = rew_t + gamma V_{t+1} - V_t``, ``A_t = sum_l (gamma lam)^l delta_{t+l}``
+    over the response tokens (observation tokens are skipped), value targets ``A + V`` (set as
+    ``batch.returns`` for the value model); advantages whitened over the batch."""
+    mask, values = batch.loss_mask, batch.values * batch.loss_mask
+    rewards = _token_rewards(batch, batch.rewards)
+    advantages = torch.zeros_like(mask)
+    gae, next_value = torch.zeros(len(mask)), torch.zeros(len(mask))
+    for t in reversed(range(mask.shape[1])):
+        inside = mask[:, t] > 0
+        step = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * gae
+        gae = torch.where(inside, step, gae)
+        next_value = torch.where(inside, values[:, t], next_value)
+        advantages[:, t] = torch.where(inside, step, torch.zeros_like(step))
+    batch.returns = (advantages + values) * mask
+    return batch_whiten(advantages, mask) if whiten else advantages
+
+
+ppo.needs_values = True  # type: ignore[attr-defined]  # the loop fills batch.values from the value model
+
+
 @hookimpl(trylast=True)
 def miles_register_advantages(register):
-    for estimator in (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gspo):
+    for estimator in (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gspo, ppo):
         register(estimator.__name__, estimator)

@@ -26,10 +26,12 @@ class TrainBackend(Protocol):
     """
 
     def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,
-              total_steps: int | None = None) -> None:
+              total_steps: int | None = None, critic_model_path: str | None = None) -> None:
         """Load the policy from an HF-format directory and build the optimizer and LR schedule
         (``total_steps`` training steps, for decaying schedules); with ``ref_model_path``, also a
-        frozen reference model whose log-probs reach the loss as ``LossInputs.ref_logprobs``."""
+        frozen reference model whose log-probs reach the loss as ``LossInputs.ref_logprobs``; with
+        ``critic_model_path``, a value model (that checkpoint with a scalar head) trained on
+        ``batch.returns`` whenever a batch carries them (PPO)."""
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, L-1]`` log-probs of the batch's tokens under the current policy (no gradient);
@@ -37,6 +39,10 @@ class TrainBackend(Protocol):
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, L-1]`` log-probs under the reference model (only when one was set up)."""
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, L-1]`` value estimates (column ``t``: the state that predicts token ``t + 1``; only
+        when a value model was set up)."""
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """Optimizer step(s) on ``batch``, split into micro-batches as configured; the loss is

@@ -38,6 +38,9 @@ class TrainOptions:
     lr_schedule: str = "constant"  # constant, linear or cosine decay to min_lr_ratio * lr over the run
     warmup_steps: int = 0  # linear warm-up from 0 over this many optimizer steps
     min_lr_ratio: float = 0.0
+    critic_lr: Optional[float] = None  # the value model's learning rate (PPO); null: lr
+    value_clip: Optional[float] = 0.2  # clip new values to old +- this in the value loss; null: no clipping
+    critic_warmup_steps: int = 0  # train only the value model for the first steps of a PPO run
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "auto"  # auto: bfloat16 autocast on a GPU that supports it, float32 on CPU
 
@@ -51,8 +54,10 @@ class TrainOptions:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
             problems.append(f"max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
-        if self.max_grad_norm < 0 or self.weight_decay < 0 or self.warmup_steps < 0:
-            problems.append("max_grad_norm, weight_decay and warmup_steps must not be negative")
+        if self.max_grad_norm < 0 or self.weight_decay < 0 or self.warmup_steps < 0 or self.critic_warmup_steps < 0:
+            problems.append("max_grad_norm, weight_decay, warmup_steps and critic_warmup_steps must not be negative")
+        if (self.critic_lr is not None and self.critic_lr <= 0) or (self.value_clip is not None and self.value_clip <= 0):
+            problems.append("critic_lr and value_clip must be positive (or null)")
         if not 0 <= self.min_lr_ratio <= 1:
             problems.append(f"min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}")
         if self.old_logprobs not in ("rollout", "recompute"):

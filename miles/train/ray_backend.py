@@ -37,9 +37,11 @@ class RemoteBackend:
         except self._ray.exceptions.RayActorError as exc:
             raise RunError(f"the training worker died during {method}: {exc}. The last checkpoint is untouched.") from exc
 
-    def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,
-              total_steps: int | None = None) -> None:
-        self._call("setup", model_path, seed=seed, ref_model_path=ref_model_path, total_steps=total_steps)
+    def setup(self, model_path: str, *, seed: int, **options: Any) -> None:
+        self._call("setup", model_path, seed=seed, **options)
+
+    def compute_values(self, batch: Any) -> Any:
+        return self._call("compute_values", batch)
 
     def compute_logprobs(self, batch: Any) -> Any:
         return self._call("compute_logprobs", batch)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from miles.models import load_model, save_pretrained
+from miles.models import load_critic, load_model, save_pretrained
 from miles.train.backend import LossFn
 from miles.train.batching import Plan, normalizers, plan_step
 from miles.train.logprobs import token_logprobs
@@ -49,8 +49,13 @@ class Policy:
 
     def __init__(self, model: torch.nn.Module, options: TrainOptions, device: torch.device,
                  ref_model: torch.nn.Module | None = None, total_steps: int | None = None,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, critic: torch.nn.Module | None = None) -> None:
         self.model, self.ref_model, self.options, self.device = model, ref_model, options, device
+        self.critic = critic
+        self.critic_optimizer = None if critic is None else torch.optim.AdamW(
+            critic.parameters(), lr=options.critic_lr or options.lr, betas=(options.beta1, options.beta2),
+            weight_decay=options.weight_decay)
+        self.steps_done = 0
         self.autocast = autocast_dtype(options, device)
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=options.lr, betas=(options.beta1, options.beta2), weight_decay=options.weight_decay)
@@ -70,6 +75,51 @@ class Policy:
         placeholder.loss_mask = torch.zeros_like(placeholder.loss_mask)
         return placeholder
 
+    def _values(self, micro: TrainBatch) -> torch.Tensor:
+        """``[b, L-1]``: column ``t`` is the value of the state that predicts token ``t + 1``."""
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast
+                    else contextlib.nullcontext())
+        with autocast:
+            return self.critic(input_ids=micro.input_ids.to(self.device)).logits[:, :-1, 0].float()
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch, micros: list[list[int]]) -> list[torch.Tensor]:
+        if self.critic is None:
+            raise ValueError("no value model: set up the backend with critic_model_path")
+        out = []
+        for rows in micros:
+            values = self._values(self._micro(batch, rows)).cpu()
+            out.append(values if rows else values[:0])
+        return out
+
+    def _train_critic(self, batch: TrainBatch, micros: list[list[int]], normalizer: float,
+                      loss_scale: float) -> dict[str, float]:
+        """One value-model step: ``0.5 max((V - R)^2, (clip(V, V_old +- value_clip) - R)^2)``, token mean."""
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = defaultdict(float)
+        clip = self.options.value_clip
+        for rows in micros:
+            micro = self._micro(batch, rows)
+            values = self._values(micro)
+            if not rows:
+                (values.sum() * 0.0).backward()
+                continue
+            mask, returns = micro.loss_mask.to(self.device), micro.returns.to(self.device)
+            old = micro.values.to(self.device)
+            loss_t = (values - returns) ** 2
+            if clip is not None:
+                clipped = old + (values - old).clamp(-clip, clip)
+                loss_t = torch.maximum(loss_t, (clipped - returns) ** 2)
+                totals["critic/clip_frac"] += float((((values - old).abs() > clip).float() * mask).sum()) / normalizer
+            loss = 0.5 * (loss_t * mask).sum() / normalizer
+            (loss * loss_scale).backward()
+            totals["critic/loss"] += float(loss.detach())
+            totals["critic/value_mean"] += float((values.detach() * mask).sum()) / normalizer
+        norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.options.max_grad_norm or float("inf"))
+        totals["critic/grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        self.critic_optimizer.step()
+        return totals
+
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, micros: list[list[int]], reference: bool = False) -> list[torch.Tensor]:
         """Log-probs of each micro-batch's rows (``[b, width]``; placeholders give empty tensors)."""
@@ -84,6 +134,12 @@ class Policy:
 
     def train(self, batch: TrainBatch, plan: list[list[list[int]]], norms: list[tuple[float, float]], loss_fn: LossFn,
               loss_scale: float = 1.0) -> tuple[list[dict[str, float]], list[float], float]:
+        sums, grad_norms, lr = self._train(batch, plan, norms, loss_fn, loss_scale)
+        self.steps_done += 1
+        return sums, grad_norms, lr
+
+    def _train(self, batch: TrainBatch, plan: list[list[list[int]]], norms: list[tuple[float, float]], loss_fn: LossFn,
+               loss_scale: float) -> tuple[list[dict[str, float]], list[float], float]:
         """Run ``plan[mini_batch][micro_batch] -> rows`` with ``norms[mini_batch] = (tokens, sequences)``
         over all ranks; returns per-mini-batch metric sums, gradient norms, and the learning rate of
         the first optimizer step."""
@@ -92,10 +148,17 @@ class Policy:
             olds = [self.logprobs(batch, micros) for micros in plan]
         sums, grad_norms = [], []
         needs_entropy_grad = getattr(loss_fn, "needs_entropy_grad", False)
+        train_critic = self.critic is not None and batch.returns is not None
+        warming_up = train_critic and self.steps_done < self.options.critic_warmup_steps
         for k, micros in enumerate(plan):
-            self.optimizer.zero_grad(set_to_none=True)
-            totals: dict[str, float] = defaultdict(float)
             normalizer, sequences = max(norms[k][0], 1.0), max(norms[k][1], 1.0)
+            critic_totals = self._train_critic(batch, micros, normalizer, loss_scale) if train_critic else {}
+            if warming_up:  # only the value model learns during its warm-up
+                sums.append({**critic_totals, "train/critic_warmup": 1.0})
+                grad_norms.append(0.0)
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            totals: dict[str, float] = defaultdict(float, critic_totals)
             for m, rows in enumerate(micros):
                 micro = self._micro(batch, rows)
                 logprobs, entropy = self._forward(self.model, micro, with_entropy=True, entropy_grad=needs_entropy_grad)
@@ -130,11 +193,35 @@ class Policy:
         return sums, grad_norms, lr
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "steps_done": self.steps_done}
+        if self.critic is not None:
+            state["critic_optimizer"] = self.critic_optimizer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.steps_done = state["steps_done"]
+        if self.critic is not None:
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+
+
+# Figures every rank reports whole (not its share), so they are not summed over ranks.
+_GLOBAL_KEYS = ("critic/grad_norm", "train/critic_warmup")
+
+
+def sum_over_ranks(per_rank: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """Per mini-batch, each rank's metric sums added up (global figures taken from rank 0)."""
+    out: list[dict[str, float]] = [{} for _ in per_rank[0]]
+    for rank, sums in enumerate(per_rank):
+        for k, totals in enumerate(sums):
+            for key, value in totals.items():
+                if key in _GLOBAL_KEYS:
+                    out[k].setdefault(key, value)
+                else:
+                    out[k][key] = out[k].get(key, 0.0) + value
+    return out
 
 
 def combine_metrics(sums: list[dict[str, float]], norms: list[float], lr: float) -> dict[str, float]:
@@ -172,12 +259,13 @@ class TorchBackend:
         self.policy: Policy | None = None
 
     def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,
-              total_steps: int | None = None) -> None:
+              total_steps: int | None = None, critic_model_path: str | None = None) -> None:
         torch.manual_seed(seed)
         device = resolve_device(self.options)
         model = load_model(model_path).to(device).train()
         ref = None if ref_model_path is None else load_model(ref_model_path).to(device).eval().requires_grad_(False)
-        self.policy = Policy(model, self.options, device, ref, total_steps, self.build_optimizer(model))
+        critic = None if critic_model_path is None else load_critic(critic_model_path).to(device).train()
+        self.policy = Policy(model, self.options, device, ref, total_steps, self.build_optimizer(model), critic)
 
     def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer | None:
         """Override to train with another optimizer; None means AdamW from the options."""
@@ -203,6 +291,11 @@ class TorchBackend:
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.compute_logprobs(batch, reference=True)
 
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        micros = plan_step(batch.attention_mask.sum(dim=1), max_samples=self.options.micro_batch_size,
+                           max_tokens=self.options.max_tokens_per_micro_batch)[0][0]
+        return assemble_rows(batch, micros, self.policy.values(batch, micros))
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
 
@@ -212,7 +305,8 @@ class TorchBackend:
     def save_checkpoint(self, path: str) -> None:
         path_ = Path(path)
         save_pretrained(self.model, None, path_ / "model")
-        torch.save({**self.policy.state_dict(), "rng": rng_state()}, path_ / "trainer.pt")
+        critic = {} if self.policy.critic is None else {"critic": self.policy.critic.state_dict()}
+        torch.save({**self.policy.state_dict(), **critic, "rng": rng_state()}, path_ / "trainer.pt")
 
     def load_checkpoint(self, path: str) -> None:
         from safetensors.torch import load_file
@@ -227,6 +321,8 @@ class TorchBackend:
             raise ValueError(f"checkpoint {path}: weights do not fit the model (missing {sorted(set(missing) - tied)}, "
                              f"unexpected {sorted(unexpected)})")
         state = torch.load(path_ / "trainer.pt", weights_only=False)
+        if self.policy.critic is not None:
+            self.policy.critic.load_state_dict(state["critic"])
         self.policy.load_state_dict(state)
         set_rng_state(state["rng"])
 

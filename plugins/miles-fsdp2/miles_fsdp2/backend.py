@@ -13,7 +13,7 @@ from miles.models import save_state_dict
 from miles.train.backend import LossFn
 from miles.train.batching import normalizers, plan_step
 from miles.train.options import TrainOptions, takes_train_options
-from miles.train.torch_backend import assemble_rows, combine_metrics
+from miles.train.torch_backend import assemble_rows, combine_metrics, sum_over_ranks
 from miles.types import TrainBatch
 
 __all__ = ["FSDP2Backend"]
@@ -81,7 +81,7 @@ class FSDP2Backend:
         return bundle
 
     def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,
-              total_steps: int | None = None) -> None:
+              total_steps: int | None = None, critic_model_path: str | None = None) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -100,7 +100,8 @@ class FSDP2Backend:
             for rank in range(self.world_size)
         ]
         master = self._gather([self.workers[0].address.remote()], "setup")[0]
-        self._all("setup", master, model_path, seed, ref_model_path, total_steps, self.collective_timeout_s)
+        self._all("setup", master, model_path, seed, ref_model_path, total_steps, critic_model_path,
+                  self.collective_timeout_s)
         self._model_path = model_path
 
     # -- calling the workers -------------------------------------------------------------------------
@@ -146,26 +147,26 @@ class FSDP2Backend:
                          mini_batches=self.options.mini_batches, max_samples=self.options.micro_batch_size,
                          max_tokens=self.options.max_tokens_per_micro_batch)
         results = self._all("train", normalizers(batch.loss_mask, plan), loss_fn, per_rank=self._shares(batch, plan))
-        sums: list[dict[str, float]] = [{} for _ in plan]
-        for rank_sums, _, _ in results:
-            for k, totals in enumerate(rank_sums):
-                for key, value in totals.items():
-                    sums[k][key] = sums[k].get(key, 0.0) + value
+        sums = sum_over_ranks([rank_sums for rank_sums, _, _ in results])
         return combine_metrics(sums, results[0][1], results[0][2])  # norms and lr are global
 
-    def _logprobs(self, batch: TrainBatch, reference: bool) -> torch.Tensor:
+    def _per_row(self, method: str, batch: TrainBatch, *args: Any) -> torch.Tensor:
+        """``[B, L-1]`` from a per-micro-batch worker method, each rank on its share of the rows."""
         plan = plan_step(batch.attention_mask.sum(dim=1), world_size=self.world_size,
                          max_samples=self.options.micro_batch_size, max_tokens=self.options.max_tokens_per_micro_batch)
         shares = self._shares(batch, plan)
-        results = self._all("logprobs", reference, per_rank=[(share, local[0]) for share, local in shares])
+        results = self._all(method, *args, per_rank=[(share, local[0]) for share, local in shares])
         micros = [micro for rank in range(self.world_size) for micro in plan[0][rank]]
         return assemble_rows(batch, micros, [values for rank_values in results for values in rank_values])
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._logprobs(batch, reference=False)
+        return self._per_row("logprobs", batch, False)
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._logprobs(batch, reference=True)
+        return self._per_row("logprobs", batch, True)
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        return self._per_row("values", batch)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self._all("full_weights")[0]

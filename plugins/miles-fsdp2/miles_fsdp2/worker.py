@@ -22,8 +22,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
 
-from miles.models import load_model
+from miles.models import load_critic, load_model
 from miles.train.options import TrainOptions, resolve_device
 from miles.train.torch_backend import Policy, rng_state, set_rng_state
 from miles.types import TrainBatch
@@ -33,13 +34,25 @@ __all__ = ["FSDPWorker", "shard"]
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
+def _placement(world_size: int):
+    """Shard along the first dimension that splits evenly over the ranks (a value head's weight is
+    ``[1, hidden]``: its first dimension cannot be split, its second can)."""
+    def place(param: torch.nn.Parameter) -> Shard | None:
+        for dim, size in enumerate(param.shape):
+            if size % world_size == 0:
+                return Shard(dim)
+        return None  # FSDP's default: dimension 0, padded
+    return place
+
+
 def shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     """``fully_shard`` each transformer block (the HF ``_no_split_modules`` classes), then the root."""
     blocks = set(getattr(model, "_no_split_modules", None) or ())
+    place = _placement(mesh.size())
     for module in model.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, shard_placement_fn=place)
+    fully_shard(model, mesh=mesh, shard_placement_fn=place)
     return model
 
 
@@ -59,7 +72,7 @@ class FSDPWorker:
             return host, s.getsockname()[1]
 
     def setup(self, master: tuple[str, int], model_path: str, seed: int, ref_model_path: str | None,
-              total_steps: int | None, timeout_s: float) -> None:
+              total_steps: int | None, critic_model_path: str | None, timeout_s: float) -> None:
         device = resolve_device(self.options)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -71,7 +84,10 @@ class FSDPWorker:
         ref = None
         if ref_model_path is not None:
             ref = shard(load_model(ref_model_path).to(device).requires_grad_(False), mesh).eval()
-        self.policy = Policy(model, self.options, device, ref, total_steps)
+        critic = None
+        if critic_model_path is not None:
+            critic = shard(load_critic(critic_model_path).to(device), mesh).train()
+        self.policy = Policy(model, self.options, device, ref, total_steps, critic=critic)
 
     def train(self, batch: TrainBatch, plan: list[list[list[int]]], norms: list[tuple[float, float]], loss_fn: Any):
         # The gradient reduce-scatter averages over ranks; the loss is already divided by the global
@@ -81,28 +97,41 @@ class FSDPWorker:
     def logprobs(self, batch: TrainBatch, micros: list[list[int]], reference: bool) -> list[torch.Tensor]:
         return self.policy.logprobs(batch, micros, reference=reference)
 
+    def values(self, batch: TrainBatch, micros: list[list[int]]) -> list[torch.Tensor]:
+        return self.policy.values(batch, micros)
+
     def full_weights(self) -> dict[str, torch.Tensor]:
         """All-gathers the full weights; only rank 0 returns them (others return an empty dict)."""
         weights = get_model_state_dict(self.policy.model, options=_FULL)
         return weights if self.rank == 0 else {}
 
     def save_checkpoint(self, path: str) -> None:
-        model, optimizer = get_state_dict(self.policy.model, self.policy.optimizer, options=_FULL)
+        policy = self.policy
+        model, optimizer = get_state_dict(policy.model, policy.optimizer, options=_FULL)
+        full = {"model": model, "optimizer": optimizer, "world_size": self.world_size}
+        if policy.critic is not None:
+            full["critic"], full["critic_optimizer"] = get_state_dict(policy.critic, policy.critic_optimizer, options=_FULL)
         if self.rank == 0:
-            torch.save({"model": model, "optimizer": optimizer, "world_size": self.world_size}, Path(path) / "state.pt")
-        torch.save({"scheduler": self.policy.scheduler.state_dict(), "rng": rng_state()}, Path(path) / f"rank{self.rank}.pt")
+            torch.save(full, Path(path) / "state.pt")
+        torch.save({"scheduler": policy.scheduler.state_dict(), "steps_done": policy.steps_done, "rng": rng_state()},
+                   Path(path) / f"rank{self.rank}.pt")
 
     def load_checkpoint(self, path: str) -> None:
         # Every rank reads the full state and keeps its shard (checkpoints live where all workers see them).
         full = torch.load(Path(path) / "state.pt", weights_only=False)
+        options = StateDictOptions(full_state_dict=True)
         set_state_dict(self.policy.model, self.policy.optimizer, model_state_dict=full["model"],
-                       optim_state_dict=full["optimizer"], options=StateDictOptions(full_state_dict=True))
+                       optim_state_dict=full["optimizer"], options=options)
+        if self.policy.critic is not None:
+            set_state_dict(self.policy.critic, self.policy.critic_optimizer, model_state_dict=full["critic"],
+                           optim_state_dict=full["critic_optimizer"], options=options)
         own = Path(path) / f"rank{self.rank}.pt"
         if not own.is_file():
             raise FileNotFoundError(f"{own}: the checkpoint was written by fewer workers than this run's "
                                     f"world_size={self.world_size}")
         state = torch.load(own, weights_only=False)
         self.policy.scheduler.load_state_dict(state["scheduler"])
+        self.policy.steps_done = state["steps_done"]
         set_rng_state(state["rng"])
 
     def pid(self) -> int:

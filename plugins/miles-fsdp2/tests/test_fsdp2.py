@@ -84,3 +84,26 @@ def _quickstart():
     from pathlib import Path
 
     return str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
+
+
+def test_value_model_steps_equal_the_single_process_backend(tiny_model_dir):
+    """PPO on FSDP2: values, the critic's loss and the policy's loss match one process (warm-up included)."""
+    from miles.builtin.advantages import ppo
+
+    def steps(backend):
+        backend.setup(str(tiny_model_dir), seed=0, critic_model_path=str(tiny_model_dir))
+        out = []
+        for k in range(3):
+            batch = make_train_batch(seed=k, rows=9)
+            batch.values = backend.compute_values(batch)
+            batch.advantages = ppo(batch)
+            out.append(backend.train_step(batch, ppo_clip))
+        backend.shutdown()
+        return out
+
+    single = steps(TorchBackend(lr=1e-2, critic_warmup_steps=1))
+    sharded = steps(FSDP2Backend(world_size=2, lr=1e-2, critic_warmup_steps=1))
+    assert sharded[0]["train/critic_warmup"] == 1.0 and "train/critic_warmup" not in sharded[1]
+    for one, two in zip(single, sharded):
+        for key in ("critic/loss", "critic/value_mean", "critic/grad_norm", "train/grad_norm"):
+            assert two[key] == pytest.approx(one[key], abs=1e-4), key

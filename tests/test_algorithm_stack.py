@@ -49,6 +49,22 @@ def test_a_loss_that_needs_a_reference_model_is_refused_without_one():
         prepare(CONFIG, ["loss.name=kl_only"], extra_plugins=[("ref", NeedsReference())])
 
 
+def test_a_loss_that_needs_a_value_model_is_refused_without_one():
+    class NeedsValues:
+        @hookimpl
+        def miles_register_losses(self, register):
+            def value_weighted(inputs):
+                return (inputs.batch.values * inputs.logprobs * inputs.loss_mask).sum(), {}
+
+            value_weighted.needs_values = True
+            register("value_weighted", value_weighted)
+
+    plugin = [("values", NeedsValues())]
+    with pytest.raises(ConfigError, match="loss.name=value_weighted needs a value model, which advantage.name=grpo"):
+        prepare(CONFIG, ["loss.name=value_weighted"], extra_plugins=plugin)
+    prepare(CONFIG, ["loss.name=value_weighted", "advantage.name=ppo"], extra_plugins=plugin)  # accepted
+
+
 def test_a_custom_loss_plugin_receives_new_and_old_logprobs(tmp_path):
     seen = []
 

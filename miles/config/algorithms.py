@@ -55,6 +55,10 @@ def conflicts(config: DictConfig, registry: Registry) -> list[str]:
         problems.append(f"loss.tis={loss['tis']} needs backend.old_logprobs=recompute: truncated importance sampling "
                         f"weighs the trainer's old log-probs against the engine's, and with old_logprobs=rollout "
                         f"they are the same")
+    if getattr(loss_fn, "needs_values", False) and not getattr(_obj(registry, "advantage", config.advantage),
+                                                               "needs_values", False):
+        problems.append(f"loss.name={loss.get('name')} needs a value model, which advantage.name="
+                        f"{advantage.get('name')} does not train: use an estimator with one (advantage.name=ppo)")
     if getattr(loss_fn, "needs_ref_logprobs", False) and config.regularization.kl_coef <= 0:
         problems.append(f"loss.name={loss.get('name')} needs a reference model, which loads only with "
                         f"regularization.kl_coef > 0")

@@ -16,7 +16,7 @@ from miles.rollout.data_source import Prompt, PromptSource
 from miles.rollout.generate import make_groups, run_rollouts
 from miles.rollout.reward import score_samples
 from miles.train.regularizers import kl_estimate
-from miles.types import Group, Sample, SampleStatus, TrainBatch
+from miles.types import Sample, SampleStatus, TrainBatch
 
 __all__ = ["Components", "rl_step", "sft_step", "evaluate"]
 

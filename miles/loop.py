@@ -40,6 +40,7 @@ class Components:
     prompts_per_step: int
     n_samples: int
     max_failed_frac: float
+    mask_off_policy: bool = False  # zero the loss mask of tokens an older policy sampled
     kl_reward_coef: float = 0.0  # KL to the reference policy as a per-sequence reward penalty
     kl_estimator: str = "k3"
     router_stats_seen: dict[str, int] = field(default_factory=dict)
@@ -84,6 +85,9 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     }
 
     train_samples = [s for g in kept for s in g.trainable_samples]
+    if c.mask_off_policy:
+        for sample in train_samples:
+            sample.mask_off_policy()
     train_s = sync_s = 0.0
     if train_samples:
         train_start = time.perf_counter()

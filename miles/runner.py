@@ -241,7 +241,9 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         reward_fn=p.build("reward", "reward"),
         collector=GroupCollector(
             [(component_node(n)["name"], p.registry.build("data_selector", component_node(n), f"selection[{i}]"))
-             for i, n in enumerate(config.selection)], config.rollout.prompts_per_step, config.rollout.n_samples),
+             for i, n in enumerate(config.selection)], config.rollout.prompts_per_step, config.rollout.n_samples,
+            partial_rollout=config.rollout.partial_rollout),
+        mask_off_policy=config.rollout.mask_off_policy,
         advantage_fn=p.build("advantage", "advantage"),
         loss_fn=regularized(p.build("loss", "loss"), kl_coef=reg.kl_coef if reg.kl_in == "loss" else 0.0,
                             kl_estimator=reg.kl_estimator, entropy_coef=reg.entropy_coef),

@@ -49,6 +49,7 @@ class Sample:
     status: SampleStatus = SampleStatus.PENDING
     reason: str = ""  # why it is truncated, aborted or failed
     weight_versions: list[int] = field(default_factory=list)
+    off_policy_tokens: int = 0  # leading response tokens sampled by an older policy (a continued partial rollout)
     turns: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -64,6 +65,10 @@ class Sample:
         if isinstance(self.reward, dict):
             return float(self.reward["score"])
         return float(self.reward)
+
+    def mask_off_policy(self) -> None:
+        """Leave the tokens an older policy sampled (before a partial rollout was continued) out of the loss."""
+        self.loss_mask[: self.off_policy_tokens] = [0] * min(self.off_policy_tokens, len(self.loss_mask))
 
     def fail(self, reason: str) -> None:
         self.status = SampleStatus.FAILED

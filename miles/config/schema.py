@@ -77,6 +77,8 @@ class RolloutConfig:
     weight_sync: Any = _component("auto")
     prompts_per_step: int = 16
     n_samples: int = 8
+    partial_rollout: bool = False  # abort what is still generating once the batch is full; continue it next step
+    mask_off_policy: bool = False  # leave the tokens an older policy sampled (partial rollouts) out of the loss
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 

@@ -5,6 +5,8 @@ buffer for surplus groups. Selectors shape this through optional attributes (see
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,9 +14,9 @@ from typing import Any
 
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import PromptSource
-from miles.rollout.generate import make_groups, run_rollouts
-from miles.rollout.reward import score_samples
-from miles.types import Group, Sample
+from miles.rollout.generate import make_groups, run_one, run_rollouts
+from miles.rollout.reward import score_samples, score_samples_async
+from miles.types import Group, Sample, SampleStatus
 
 __all__ = ["GroupCollector", "Collected"]
 
@@ -27,8 +29,15 @@ class Collected:
 
 
 class GroupCollector:
-    def __init__(self, selectors: list[tuple[str, Callable]], prompts_per_step: int, n_samples: int) -> None:
+    """With ``partial_rollout``, each round's groups are selected as they complete, and once the batch
+    is full the engines abort what is still generating: those samples keep their tokens and are
+    continued first in the next step, under the weights of that step."""
+
+    def __init__(self, selectors: list[tuple[str, Callable]], prompts_per_step: int, n_samples: int,
+                 partial_rollout: bool = False) -> None:
         self.selectors, self.prompts_per_step, self.n_samples = selectors, prompts_per_step, n_samples
+        self.partial_rollout = partial_rollout
+        self.unfinished: list[Group] = []  # partial rollouts waiting to be continued
         self.extra_rounds = max((getattr(s, "extra_rounds", 0) for _, s in selectors), default=0)
         self.prompts_factor = max((getattr(s, "prompts_factor", 1.0) for _, s in selectors), default=1.0)
         choosers = [s for _, s in selectors if hasattr(s, "choose_prompts")]
@@ -48,20 +57,26 @@ class GroupCollector:
         removed = [0] * len(self.selectors)
         rounds = 0
         while len(kept) < target and rounds <= self.extra_rounds:
-            count = math.ceil((target - len(kept)) * self.prompts_factor)
+            resumed, self.unfinished = self.unfinished, []
+            count = max(0, math.ceil((target - len(kept)) * self.prompts_factor) - len(resumed))
             prompts = self.chooser.choose_prompts(data, count) if self.chooser else data.next(count)
-            groups = make_groups(prompts, self.n_samples, first_group_index=self.next_group_index)
+            groups = resumed + make_groups(prompts, self.n_samples, first_group_index=self.next_group_index)
             self.next_group_index += count
-            fresh = [s for g in groups for s in g.samples]
-            run_rollouts(groups, rollout_fn, ctx)
-            score_samples(fresh, reward_fn)
-            check(fresh)
+            if self.partial_rollout:
+                run = ctx.run or asyncio.run
+                done, removed_now, completed = run(self._round_partial(groups, rollout_fn, ctx, reward_fn,
+                                                                       target - len(kept)))
+                fresh = [s for g in completed for s in g.samples]
+                check(fresh)
+            else:
+                fresh = [s for g in groups for s in g.samples]
+                run_rollouts(groups, rollout_fn, ctx)
+                score_samples(fresh, reward_fn)
+                check(fresh)
+                done, removed_now = self._select(groups)
             samples += fresh
-            for i, (_, selector) in enumerate(self.selectors):
-                before = len(groups)
-                groups = selector(groups)
-                removed[i] += before - len(groups)
-            kept += groups
+            removed = [a + b for a, b in zip(removed, removed_now)]
+            kept += done
             rounds += 1
         surplus, kept = kept[target:], kept[:target]
         dropped = self._store(surplus)
@@ -74,10 +89,54 @@ class GroupCollector:
             metrics[f"selection/{name}_removed"] = count
             if hasattr(selector, "metrics"):
                 metrics.update(selector.metrics())
+        if self.partial_rollout:
+            metrics["rollout/partial_groups"] = len(self.unfinished)
+            metrics["rollout/off_policy_token_frac"] = (
+                sum(s.off_policy_tokens for s in samples) / max(1, sum(len(s.response_ids) for s in samples)))
         if self.buffer_spec is not None or surplus:
             metrics.update({"selection/groups_from_buffer": from_buffer, "selection/buffered": len(self.buffer),
                             "selection/surplus_dropped": dropped})
         return Collected(kept, samples, metrics)
+
+    def _select(self, groups: list[Group]) -> tuple[list[Group], list[int]]:
+        removed = []
+        for _, selector in self.selectors:
+            before = len(groups)
+            groups = selector(groups)
+            removed.append(before - len(groups))
+        return groups, removed
+
+    async def _round_partial(self, groups: list[Group], rollout_fn: Callable, ctx: RolloutContext,
+                             reward_fn: Callable, room: int) -> tuple[list[Group], list[int], list[Group]]:
+        """Select groups as they complete; once ``room`` are kept, abort the rest and keep them.
+        Returns the kept groups, the removals per selector and every completed group."""
+        async def run_group(group: Group) -> Group:
+            todo = [s for s in group.samples if s.status in (SampleStatus.PENDING, SampleStatus.ABORTED)]
+            for sample in todo:
+                sample.status = SampleStatus.PENDING
+            await asyncio.gather(*(run_one(rollout_fn, s, ctx) for s in todo))
+            return group
+
+        kept: list[Group] = []
+        removed = [0] * len(self.selectors)
+        completed: list[Group] = []
+        aborted = False
+        for next_group in asyncio.as_completed([asyncio.ensure_future(run_group(g)) for g in groups]):
+            group = await next_group
+            if any(s.status is SampleStatus.ABORTED for s in group.samples):
+                self.unfinished.append(group)
+                continue
+            await score_samples_async(group.samples, reward_fn)
+            completed.append(group)
+            selected, removed_now = self._select([group])
+            removed = [a + b for a, b in zip(removed, removed_now)]
+            kept += selected
+            if len(kept) >= room and not aborted:
+                aborted = True
+                result = ctx.engine.abort()
+                if inspect.isawaitable(result):
+                    await result
+        return kept, removed, completed
 
     def _take(self, count: int) -> list[Group]:
         if self.buffer_spec is None or not self.buffer:
@@ -101,9 +160,11 @@ class GroupCollector:
 
     def state_dict(self) -> dict[str, Any]:
         selectors = {i: s.state_dict() for i, (_, s) in enumerate(self.selectors) if hasattr(s, "state_dict")}
-        return {"next_group_index": self.next_group_index, "buffer": list(self.buffer), "selectors": selectors}
+        return {"next_group_index": self.next_group_index, "buffer": list(self.buffer), "selectors": selectors,
+                "unfinished": list(self.unfinished)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_group_index, self.buffer = state["next_group_index"], list(state["buffer"])
+        self.unfinished = list(state.get("unfinished", []))
         for i, selector_state in state["selectors"].items():
             self.selectors[i][1].load_state_dict(selector_state)

@@ -9,7 +9,7 @@ from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt
 from miles.types import Group, Sample, SampleStatus
 
-__all__ = ["make_groups", "run_rollouts"]
+__all__ = ["make_groups", "run_one", "run_rollouts"]
 
 
 def make_groups(prompts: list[Prompt], n_samples: int, first_group_index: int = 0) -> list[Group]:
@@ -28,7 +28,7 @@ def make_groups(prompts: list[Prompt], n_samples: int, first_group_index: int = 
     ]
 
 
-async def _run_one(rollout_fn: Callable, sample: Sample, ctx: RolloutContext) -> None:
+async def run_one(rollout_fn: Callable, sample: Sample, ctx: RolloutContext) -> None:
     try:
         result = await rollout_fn(sample, ctx)
     except Exception as exc:  # one sample fails, the step goes on
@@ -47,6 +47,6 @@ def run_rollouts(groups: list[Group], rollout_fn: Callable, ctx: RolloutContext)
     """
 
     async def _all() -> None:
-        await asyncio.gather(*(_run_one(rollout_fn, s, ctx) for g in groups for s in g.samples))
+        await asyncio.gather(*(run_one(rollout_fn, s, ctx) for g in groups for s in g.samples))
 
     (ctx.run or asyncio.run)(_all())

@@ -35,6 +35,21 @@ def _check(sample: Sample, value: Any) -> None:
 
 def score_samples(samples: list[Sample], reward_fn: Callable) -> None:
     """Set ``reward`` on every trainable sample in place; a raising reward fails only its sample."""
+    target = getattr(reward_fn, "func", reward_fn)
+    if getattr(target, "miles_batched", False) or _is_async(reward_fn):
+        asyncio.run(score_samples_async(samples, reward_fn))
+        return
+    for sample in (s for s in samples if s.trainable):
+        try:
+            value = reward_fn(sample)
+        except Exception as exc:
+            sample.fail(f"reward: {type(exc).__name__}: {exc}")
+            continue
+        _check(sample, value)
+
+
+async def score_samples_async(samples: list[Sample], reward_fn: Callable) -> None:
+    """:func:`score_samples` inside a running event loop."""
     todo = [s for s in samples if s.trainable]
     if not todo:
         return
@@ -43,7 +58,7 @@ def score_samples(samples: list[Sample], reward_fn: Callable) -> None:
         try:
             values = reward_fn(todo)
             if inspect.isawaitable(values):
-                values = asyncio.run(_await(values))
+                values = await values
             values = list(values)
             if len(values) != len(todo):
                 raise ValueError(f"returned {len(values)} rewards for {len(todo)} samples")
@@ -55,7 +70,7 @@ def score_samples(samples: list[Sample], reward_fn: Callable) -> None:
             _check(sample, value)
         return
     if _is_async(reward_fn):
-        asyncio.run(_score_async(todo, reward_fn))
+        await _score_async(todo, reward_fn)
         return
     for sample in todo:
         try:
@@ -64,10 +79,6 @@ def score_samples(samples: list[Sample], reward_fn: Callable) -> None:
             sample.fail(f"reward: {type(exc).__name__}: {exc}")
             continue
         _check(sample, value)
-
-
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
 
 
 async def _score_async(samples: list[Sample], reward_fn: Callable) -> None:

@@ -188,6 +188,12 @@ class Router:
             await asyncio.gather(*(self.check(e) for e in self.engines), return_exceptions=True)
             await asyncio.sleep(self.health_interval_s)
 
+    async def abort(self) -> int:
+        """Abort every request in flight on every healthy engine (they answer with what they have)."""
+        answers = await asyncio.gather(*(self.post(e, "/abort_request", {"abort_all": True}) for e in self.healthy),
+                                       return_exceptions=True)
+        return sum(a.get("aborted", 0) for a in answers if isinstance(a, dict))
+
     async def wait_healthy(self, count: int | None = None, timeout_s: float = 60.0) -> None:
         """Wait until ``count`` engines (default all) answer their health check, else raise."""
         count = len(self.engines) if count is None else count

@@ -17,13 +17,26 @@ def apply_generate_answer(sample: Sample, answer: dict) -> None:
     sample.response_text += answer.get("text", "")
     sample.weight_versions.append(int(meta["weight_version"]))
     sample.turns += 1
-    if meta["finish_reason"]["type"] == "length":
+    finish = meta["finish_reason"]["type"]
+    if finish == "length":
         sample.status, sample.reason = SampleStatus.TRUNCATED, "max_new_tokens reached"
+    elif finish == "abort":  # stopped mid-generation (partial rollout): kept, to be continued
+        sample.status, sample.reason = SampleStatus.ABORTED, str(meta["finish_reason"].get("message", "aborted"))
     else:
         sample.status = SampleStatus.COMPLETED
 
 
 async def single_turn(sample: Sample, ctx: RolloutContext) -> Sample:
-    answer = await ctx.engine.generate(sample.prompt_ids, ctx.sampling_params, return_logprob=True)
+    """One generation; a sample that already holds response tokens (an aborted partial rollout) is
+    continued from them, within what is left of ``max_new_tokens``."""
+    params = ctx.sampling_params
+    if sample.response_ids:
+        sample.off_policy_tokens = len(sample.response_ids)
+        left = int(params.get("max_new_tokens", 16)) - len(sample.response_ids)
+        if left <= 0:
+            sample.status, sample.reason = SampleStatus.TRUNCATED, "max_new_tokens reached"
+            return sample
+        params = {**params, "max_new_tokens": left}
+    answer = await ctx.engine.generate(sample.prompt_ids + sample.response_ids, params, return_logprob=True)
     apply_generate_answer(sample, answer)
     return sample

@@ -1,7 +1,6 @@
 """Partial rollout: once the batch is full, samples still generating are stopped, kept with their
 tokens, and continued in the next step under the new weights (a real engine with a worker thread)."""
 
-
 import pytest
 
 from miles.builtin.selectors import OverSampling

@@ -39,7 +39,11 @@ def score_samples(samples: list[Sample], reward_fn: Callable) -> None:
     if getattr(target, "miles_batched", False) or _is_async(reward_fn):
         asyncio.run(score_samples_async(samples, reward_fn))
         return
-    for sample in (s for s in samples if s.trainable):
+    _score_each([s for s in samples if s.trainable], reward_fn)
+
+
+def _score_each(samples: list[Sample], reward_fn: Callable) -> None:
+    for sample in samples:
         try:
             value = reward_fn(sample)
         except Exception as exc:
@@ -72,13 +76,7 @@ async def score_samples_async(samples: list[Sample], reward_fn: Callable) -> Non
     if _is_async(reward_fn):
         await _score_async(todo, reward_fn)
         return
-    for sample in todo:
-        try:
-            value = reward_fn(sample)
-        except Exception as exc:
-            sample.fail(f"reward: {type(exc).__name__}: {exc}")
-            continue
-        _check(sample, value)
+    _score_each(todo, reward_fn)
 
 
 async def _score_async(samples: list[Sample], reward_fn: Callable) -> None:

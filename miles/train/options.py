@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -82,7 +83,7 @@ class TrainOptions:
         if self.lr_schedule == "linear":
             decay = 1.0 - progress
         else:
-            decay = 0.5 * (1.0 + torch.cos(torch.tensor(progress * torch.pi)).item())
+            decay = 0.5 * (1.0 + math.cos(progress * math.pi))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
 
 

@@ -286,10 +286,12 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         run.timed("eval", eval_start)
         return result
 
+    architecture = model_signature(run.base_model)
+
     def checkpoint(steps_done: int) -> None:
         save_start = time.perf_counter()
         state = {"step": steps_done, "weight_version": plane.weight_version, "rewards": rewards,
-                 "start_model": model_path, "model": model_signature(run.base_model), "backend": config.backend.name,
+                 "start_model": model_path, "model": architecture, "backend": config.backend.name,
                  "plugins": run.stack, "summary": {k: v for k, v in run.summary.items() if k.startswith("eval_")}}
         loop_state = {"data_position": c.train_data.position, "rng": rng_state(), "engine_rng": _engine_rng(plane),
                       "collector": c.collector.state_dict()}

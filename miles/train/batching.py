@@ -15,7 +15,7 @@ import heapq
 
 import torch
 
-__all__ = ["micro_batch_indices", "balanced_partition", "plan_step", "normalizers"]
+__all__ = ["micro_batch_indices", "balanced_partition", "plan_step", "plan_batch", "normalizers"]
 
 Plan = list[list[list[list[int]]]]
 
@@ -84,6 +84,12 @@ def plan_step(lengths: torch.Tensor, *, world_size: int = 1, mini_batches: int =
         count = max(len(m) for m in per_rank)
         plan.append([_equalize(m, count) for m in per_rank])
     return plan
+
+
+def plan_batch(batch, options, *, world_size: int = 1, mini_batches: int = 1) -> Plan:
+    """:func:`plan_step` for a ``TrainBatch`` with a backend's micro-batch options (``TrainOptions``)."""
+    return plan_step(batch.attention_mask.sum(dim=1), world_size=world_size, mini_batches=mini_batches,
+                     max_samples=options.micro_batch_size, max_tokens=options.max_tokens_per_micro_batch)
 
 
 def normalizers(loss_mask: torch.Tensor, plan: Plan) -> list[tuple[float, float]]:

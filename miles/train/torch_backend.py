@@ -13,7 +13,7 @@ import torch
 
 from miles.models import load_critic, load_model, save_pretrained
 from miles.train.backend import LossFn
-from miles.train.batching import Plan, normalizers, plan_step
+from miles.train.batching import normalizers, plan_batch
 from miles.train.logprobs import token_logprobs
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
 from miles.train.regularizers import kl_estimate
@@ -62,10 +62,11 @@ class Policy:
         total = None if total_steps is None else total_steps * options.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: options.lr_factor(k, total))
 
+    def _autocast(self) -> Any:
+        return torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext()
+
     def _forward(self, model: torch.nn.Module, micro: TrainBatch, **kwargs: Any):
-        autocast = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast
-                    else contextlib.nullcontext())
-        with autocast:
+        with self._autocast():
             return token_logprobs(model, micro.input_ids.to(self.device), **kwargs)
 
     def _micro(self, batch: TrainBatch, rows: list[int]) -> TrainBatch:
@@ -77,20 +78,22 @@ class Policy:
 
     def _values(self, micro: TrainBatch) -> torch.Tensor:
         """``[b, L-1]``: column ``t`` is the value of the state that predicts token ``t + 1``."""
-        autocast = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast
-                    else contextlib.nullcontext())
-        with autocast:
+        with self._autocast():
             return self.critic(input_ids=micro.input_ids.to(self.device)).logits[:, :-1, 0].float()
 
     @torch.no_grad()
+    def _per_micro(self, batch: TrainBatch, micros: list[list[int]], fn: Any) -> list[torch.Tensor]:
+        """``fn(micro)`` of each micro-batch on CPU, without gradient (placeholders give empty tensors)."""
+        out = []
+        for rows in micros:
+            values = fn(self._micro(batch, rows)).float().cpu()
+            out.append(values if rows else values[:0])
+        return out
+
     def values(self, batch: TrainBatch, micros: list[list[int]]) -> list[torch.Tensor]:
         if self.critic is None:
             raise ValueError("no value model: set up the backend with critic_model_path")
-        out = []
-        for rows in micros:
-            values = self._values(self._micro(batch, rows)).cpu()
-            out.append(values if rows else values[:0])
-        return out
+        return self._per_micro(batch, micros, self._values)
 
     def _train_critic(self, batch: TrainBatch, micros: list[list[int]], normalizer: float,
                       loss_scale: float) -> dict[str, float]:
@@ -120,17 +123,12 @@ class Policy:
         self.critic_optimizer.step()
         return totals
 
-    @torch.no_grad()
     def logprobs(self, batch: TrainBatch, micros: list[list[int]], reference: bool = False) -> list[torch.Tensor]:
         """Log-probs of each micro-batch's rows (``[b, width]``; placeholders give empty tensors)."""
         model = self.ref_model if reference else self.model
         if model is None:
             raise ValueError("no reference model: set up the backend with ref_model_path")
-        out = []
-        for rows in micros:
-            values = self._forward(model, self._micro(batch, rows)).float().cpu()
-            out.append(values if rows else values[:0])
-        return out
+        return self._per_micro(batch, micros, lambda micro: self._forward(model, micro))
 
     def train(self, batch: TrainBatch, plan: list[list[list[int]]], norms: list[tuple[float, float]], loss_fn: LossFn,
               loss_scale: float = 1.0) -> tuple[list[dict[str, float]], list[float], float]:
@@ -275,25 +273,19 @@ class TorchBackend:
     def model(self) -> torch.nn.Module:
         return self.policy.model
 
-    def _plan(self, batch: TrainBatch) -> Plan:
-        return plan_step(batch.attention_mask.sum(dim=1), mini_batches=self.options.mini_batches,
-                         max_samples=self.options.micro_batch_size, max_tokens=self.options.max_tokens_per_micro_batch)
-
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        plan = self._plan(batch)
+        plan = plan_batch(batch, self.options, mini_batches=self.options.mini_batches)
         return combine_metrics(*self.policy.train(batch, [mini[0] for mini in plan], normalizers(batch.loss_mask, plan), loss_fn))
 
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        micros = plan_step(batch.attention_mask.sum(dim=1), max_samples=self.options.micro_batch_size,
-                           max_tokens=self.options.max_tokens_per_micro_batch)[0][0]
+        micros = plan_batch(batch, self.options)[0][0]
         return assemble_rows(batch, micros, self.policy.logprobs(batch, micros, reference=reference))
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.compute_logprobs(batch, reference=True)
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        micros = plan_step(batch.attention_mask.sum(dim=1), max_samples=self.options.micro_batch_size,
-                           max_tokens=self.options.max_tokens_per_micro_batch)[0][0]
+        micros = plan_batch(batch, self.options)[0][0]
         return assemble_rows(batch, micros, self.policy.values(batch, micros))
 
     def export_weights(self) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import torch
 from miles.errors import ConfigError, RunError
 from miles.models import save_state_dict
 from miles.train.backend import LossFn
-from miles.train.batching import normalizers, plan_step
+from miles.train.batching import normalizers, plan_batch
 from miles.train.options import TrainOptions, takes_train_options
 from miles.train.torch_backend import assemble_rows, combine_metrics, sum_over_ranks
 from miles.types import TrainBatch
@@ -143,17 +143,14 @@ class FSDP2Backend:
     # -- the backend contract ------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        plan = plan_step(batch.attention_mask.sum(dim=1), world_size=self.world_size,
-                         mini_batches=self.options.mini_batches, max_samples=self.options.micro_batch_size,
-                         max_tokens=self.options.max_tokens_per_micro_batch)
+        plan = plan_batch(batch, self.options, world_size=self.world_size, mini_batches=self.options.mini_batches)
         results = self._all("train", normalizers(batch.loss_mask, plan), loss_fn, per_rank=self._shares(batch, plan))
         sums = sum_over_ranks([rank_sums for rank_sums, _, _ in results])
         return combine_metrics(sums, results[0][1], results[0][2])  # norms and lr are global
 
     def _per_row(self, method: str, batch: TrainBatch, *args: Any) -> torch.Tensor:
         """``[B, L-1]`` from a per-micro-batch worker method, each rank on its share of the rows."""
-        plan = plan_step(batch.attention_mask.sum(dim=1), world_size=self.world_size,
-                         max_samples=self.options.micro_batch_size, max_tokens=self.options.max_tokens_per_micro_batch)
+        plan = plan_batch(batch, self.options, world_size=self.world_size)
         shares = self._shares(batch, plan)
         results = self._all(method, *args, per_rank=[(share, local[0]) for share, local in shares])
         micros = [micro for rank in range(self.world_size) for micro in plan[0][rank]]

@@ -65,7 +65,9 @@ def _cmd_engine_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--model {args.model!r} is not an HF model directory (no config.json there)")
     token = args.admin_token or os.environ.get("MILES_ADMIN_TOKEN", "")
     try:
-        serve(args.model, host=args.host, port=args.port, seed=args.seed, admin_token=token)
+        serve(args.model, host=args.host, port=args.port, seed=args.seed, admin_token=token,
+              max_request_bytes=int(args.max_request_mib * 2**20),
+              max_weight_request_bytes=int(args.max_weight_request_mib * 2**20), allowed_hosts=tuple(args.allowed_host))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return 0
@@ -105,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--admin-token", default="", help="required for weight/admin endpoints off loopback")
+    serve.add_argument("--max-request-mib", type=float, default=16.0,
+                       help="body size limit of /generate and the other small endpoints (MiB)")
+    serve.add_argument("--max-weight-request-mib", type=float, default=1024.0,
+                       help="body size limit of /update_weights_from_tensor (MiB)")
+    serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME[:PORT]",
+                       help="another name clients reach the engine by, accepted in the Host header (repeat; '*': any)")
     serve.set_defaults(func=_cmd_engine_serve)
 
     router = sub.add_parser("router", help="the router in front of engines")

@@ -31,10 +31,19 @@ class Request:
     deliver: Callable[[dict[str, Any]], None]  # called from the worker thread with the answer
     return_logprob: bool = True
     rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    # SGLang's extra log-prob outputs (with return_logprob): prompt log-probs from this position (-1: none),
+    # the top-k alternatives at each position, and (on its own) the entropy of each next-token distribution
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_entropy: bool = False
     budget: int = 0
     stop_ids: tuple[int, ...] = ()
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_entropy: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)  # from logprob_start_len; None: first token
+    input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     aborted: bool = False
 
@@ -47,7 +56,7 @@ class ContinuousBatcher:
         self.context_length, self.pad, self.eos = context_length, pad_token_id, eos_token_id
         self.generator, self.max_batch_size, self.version = generator, max_batch_size, version
         self.step_lock = threading.Lock()  # held for each step and by weight updates
-        self.stats = {"prefill_batches": 0, "decode_steps": 0}
+        self.stats = {"prefill_batches": 0, "decode_steps": 0, "requests_finished": 0}
         self._cond = threading.Condition()
         self._queue: list[Request] = []
         self._paused = False
@@ -89,6 +98,11 @@ class ContinuousBatcher:
         with self._cond:
             self._paused = False
             self._cond.notify()
+
+    def load(self) -> dict[str, int]:
+        """Requests waiting to be admitted, and rows in the running batch."""
+        with self._cond:
+            return {"waiting_requests": len(self._queue), "running_requests": len(self._rows)}
 
     def close(self) -> None:
         with self._cond:
@@ -161,10 +175,14 @@ class ContinuousBatcher:
         ids = torch.tensor([[self.pad] * (width - len(r.prompt)) + r.prompt for r in requests])
         mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in requests])
         cache = DynamicCache()
+        prompt_logprobs = [r.return_logprob and r.logprob_start_len >= 0 for r in requests]
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                            cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
+                            cache=cache, use_cache=True, logits_to_keep=0 if any(prompt_logprobs) else 1).logits
         self.stats["prefill_batches"] += 1
-        tokens = self._sample(logits, requests)
+        for row, (r, wanted) in enumerate(zip(requests, prompt_logprobs)):
+            if wanted:
+                self._prompt_logprobs(r, logits[row, width - len(r.prompt) : width - 1].float())
+        tokens = self._sample(logits[:, -1, :].float(), requests)
         next_pos = torch.tensor([len(r.prompt) for r in requests])
         if self._cache is None:
             self._cache, self._mask, self._next_pos, self._pending = cache, mask, next_pos, tokens
@@ -191,16 +209,42 @@ class ContinuousBatcher:
         self._pending = self._sample(logits, self._rows)
         self._retire(0)
 
+    def _prompt_logprobs(self, r: Request, logits: torch.Tensor) -> None:
+        """Log-probs of the prompt's tokens from ``logprob_start_len`` (``logits``: [L - 1, V], the predictions of
+        tokens 1..L-1); the first token has none."""
+        logprobs = logits.log_softmax(dim=-1)
+        targets = torch.tensor(r.prompt[1:], dtype=torch.long)
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        top = _top(logprobs, r.top_logprobs_num) if r.top_logprobs_num else [None] * len(chosen)
+        start = r.logprob_start_len
+        r.input_logprobs = ([None] + chosen)[start:]
+        r.input_top = ([None] + top)[start:] if r.top_logprobs_num else []
+
     def _sample(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
+        finite = torch.isfinite(logits).all(dim=-1)  # [B]; broken weights fail their rows, not the whole batch
+        if not bool(finite.all()):
+            logits = torch.where(finite.unsqueeze(1), logits, torch.zeros_like(logits))
         params = [r.params for r in rows]
         tokens = sample_next(
             logits, torch.tensor([float(p.temperature) for p in params]), torch.tensor([float(p.top_p) for p in params]),
             torch.tensor([p.top_k for p in params]), self.generator,
         )
-        logprobs = (logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)).tolist()
-        for r, token, logprob in zip(rows, tokens.tolist(), logprobs):
+        all_logprobs = logits.log_softmax(dim=-1)  # [B, V]
+        logprobs = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        k = max((r.top_logprobs_num for r in rows if r.return_logprob), default=0)
+        top = _top(all_logprobs, k) if k else None
+        entropy = (torch.special.entr(all_logprobs.exp()).sum(dim=-1).tolist()
+                   if any(r.return_entropy for r in rows) else None)
+        for i, (r, token, logprob, ok) in enumerate(zip(rows, tokens.tolist(), logprobs, finite.tolist())):
+            if not ok:
+                r.finish = {"type": "abort", "message": NON_FINITE}
+                continue
             r.output_ids.append(token)
             r.output_logprobs.append(logprob)
+            if top is not None and r.return_logprob and r.top_logprobs_num:
+                r.output_top.append(top[i][: r.top_logprobs_num])
+            if entropy is not None and r.return_entropy:
+                r.output_entropy.append(entropy[i])
             if token in r.stop_ids:
                 r.finish = {"type": "stop", "matched": token}
             elif len(r.output_ids) >= r.budget:
@@ -232,6 +276,7 @@ class ContinuousBatcher:
             layer.keys, layer.values = layer.keys[index, :, lead:], layer.values[index, :, lead:]
 
     def _answer(self, r: Request, text: str | None = None) -> dict[str, Any]:
+        self.stats["requests_finished"] += 1
         n = len(r.output_ids)
         meta = {
             "id": r.rid,
@@ -240,11 +285,30 @@ class ContinuousBatcher:
             "finish_reason": r.finish,
             "weight_version": self.version(),
         }
-        if r.return_logprob:
+        if r.return_logprob:  # SGLang's [logprob, token_id, text] triples; the text is filled in on request
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
+            if r.top_logprobs_num:
+                meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in top] for top in r.output_top]
+            if r.logprob_start_len >= 0:
+                prompt = r.prompt[r.logprob_start_len :]
+                meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.input_logprobs, prompt)]
+                if r.top_logprobs_num:
+                    meta["input_top_logprobs"] = [None if top is None else [[lp, t, None] for lp, t in top]
+                                                  for top in r.input_top]
+        if r.return_entropy:
+            meta["output_token_entropy"] = list(r.output_entropy)
         if text is None:
             text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
         return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
+
+
+NON_FINITE = "the model produced non-finite logits (NaN or inf): check the weights"
+
+
+def _top(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    """The ``k`` most likely tokens of each row of ``logprobs`` [N, V], as (logprob, token id) pairs."""
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

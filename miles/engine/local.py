@@ -60,21 +60,21 @@ class LocalEngine:
             self.batcher.close()
             self.batcher = None
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: int | None = None) -> int:
+    def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: int | None = None,
+                       allow_non_finite: bool = False) -> int:
         """Load new weights as a whole (all or nothing) between two decode steps.
 
-        The version becomes ``weight_version`` when given (the trainer's policy version), else it is bumped.
+        Every parameter must be present with its shape; a floating-point tensor loads into a floating-point
+        parameter of any precision (cast, e.g. bf16 into fp32), any other dtype must match exactly. NaN/inf
+        values are refused unless ``allow_non_finite``. A ValueError names every offending tensor and nothing
+        is applied. The version becomes ``weight_version`` when given (the trainer's policy version), else it
+        is bumped.
         """
         current = self.model.state_dict()
-        problems = [n for n in state_dict if n not in current]
-        problems += [f"{n} (missing)" for n in current if n not in state_dict]
-        problems += [
-            f"{n} (shape {tuple(t.shape)}, expected {tuple(current[n].shape)})"
-            for n, t in state_dict.items()
-            if n in current and t.shape != current[n].shape
-        ]
+        problems = _weight_problems(current, state_dict, allow_non_finite)
         if problems:
-            raise ValueError(f"weight update refused, mismatched parameters: {', '.join(problems[:8])}")
+            raise ValueError(f"weight update refused, nothing was applied (the old weights keep serving): "
+                             f"{'; '.join(problems)}")
         with self.batcher.step_lock, torch.no_grad():
             for name, tensor in state_dict.items():
                 current[name].copy_(tensor)
@@ -92,6 +92,17 @@ class LocalEngine:
     def abort(self, rid: str | None = None) -> int:
         return self.batcher.abort(rid)
 
+    def stats(self) -> dict[str, int]:
+        """Counters (requests finished, prefill batches, decode steps) and the current load."""
+        load = self.batcher.load()
+        return {**self.batcher.stats, **load, "waiting_requests": load["waiting_requests"] + len(self._turn)}
+
+    def tokenize(self, text: str) -> list[int]:
+        """``text`` as the model's tokenizer encodes it (with its special tokens, as SGLang does)."""
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"text: expected a non-empty string, got {text!r}")
+        return list(self.tokenizer.encode(text))
+
     def pause(self) -> None:
         self.batcher.pause()
 
@@ -102,22 +113,56 @@ class LocalEngine:
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, return_logprob: bool = True,
-        rid: str | None = None,
+        rid: str | None = None, *, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+        return_entropy: bool = False, return_text_in_logprobs: bool = False,
     ) -> dict[str, Any]:
-        """One request, answered like SGLang's ``POST /generate`` (a ValueError names a bad field)."""
+        """One request, answered like SGLang's ``POST /generate`` (a ValueError names a bad field).
+
+        With ``return_logprob``: ``logprob_start_len >= 0`` adds ``input_token_logprobs`` (the prompt's, from
+        that position; the first token has none), ``top_logprobs_num`` adds ``output_top_logprobs`` (and
+        ``input_top_logprobs``), ``return_text_in_logprobs`` fills each triple's text. ``return_entropy`` adds
+        ``output_token_entropy`` (nats, of each next-token distribution before temperature).
+        """
         params = SamplingParams.parse(sampling_params)
         if params.n != 1:
             raise ValueError("sampling_params.n: one call returns one sample; send n requests (or use the server)")
         self._check_prompt(input_ids)
+        vocab, start, top = self.model.config.vocab_size, logprob_start_len, top_logprobs_num
+        checks = [
+            ("return_logprob", return_logprob, isinstance(return_logprob, bool), "true or false"),
+            ("logprob_start_len", start, _is_int(start) and -1 <= start < len(input_ids),
+             f"-1 (no prompt log-probs) or a prompt position in [0, {len(input_ids)})"),
+            ("top_logprobs_num", top, _is_int(top) and 0 <= top <= vocab, f"an integer in [0, {vocab}]"),
+            ("return_entropy", return_entropy, isinstance(return_entropy, bool), "true or false"),
+            ("return_text_in_logprobs", return_text_in_logprobs, isinstance(return_text_in_logprobs, bool),
+             "true or false"),
+        ]
+        for name, value, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"{name}: expected {expected}, got {value!r}")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        request = Request(list(input_ids), params, lambda answer: self._deliver(loop, future, answer), return_logprob)
+        request = Request(list(input_ids), params, lambda answer: self._deliver(loop, future, answer), return_logprob,
+                          logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                          return_entropy=return_entropy)
         if rid is not None:
             request.rid = rid
         if not self._turn:
             loop.call_soon(self._submit_turn)
         self._turn.append(request)
-        return await future
+        answer = await future
+        if return_text_in_logprobs:
+            self._fill_logprob_texts(answer["meta_info"])
+        return answer
+
+    def _fill_logprob_texts(self, meta: dict[str, Any]) -> None:
+        """Put each token's text in the third place of the [logprob, token_id, text] triples."""
+        triples = [t for key in ("output_token_logprobs", "input_token_logprobs") for t in meta.get(key, [])]
+        triples += [t for key in ("output_top_logprobs", "input_top_logprobs")
+                    for position in meta.get(key, []) if position for t in position]
+        texts = self.tokenizer.batch_decode([[t[1]] for t in triples])
+        for triple, text in zip(triples, texts):
+            triple[2] = text
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, answer: dict[str, Any]) -> None:
         """Called from the batcher thread: answers wait in an outbox, one wake-up of the loop drains it."""
@@ -161,3 +206,39 @@ class LocalEngine:
                 f"input_ids: prompt of {len(input_ids)} tokens does not fit the context of "
                 f"{self.context_length} tokens"
             )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _weight_problems(current: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
+                     allow_non_finite: bool) -> list[str]:
+    """Every way ``new`` does not fit ``current``, by kind; long name lists end with a count."""
+    missing = [n for n in current if n not in new]
+    unexpected = [n for n in new if n not in current]
+    known = [(n, new[n], c) for n, c in current.items() if n in new]  # in the model's order
+    shapes = [f"{n} (got {tuple(t.shape)}, expected {tuple(c.shape)})" for n, t, c in known if t.shape != c.shape]
+    dtypes = [f"{n} (got {_dtype(t)}, expected {_dtype(c)})" for n, t, c in known
+              if t.dtype != c.dtype and not (t.dtype.is_floating_point and c.dtype.is_floating_point)]
+    non_finite = [] if allow_non_finite else [
+        n for n, t, _ in known if t.dtype.is_floating_point and not bool(torch.isfinite(t).all())]
+    problems = [
+        f"{len(missing)} missing: {_names(missing)}" if missing else "",
+        f"{len(unexpected)} unexpected: {_names(unexpected)}" if unexpected else "",
+        f"{len(shapes)} with the wrong shape: {', '.join(shapes)}" if shapes else "",
+        f"{len(dtypes)} with the wrong dtype (only floating point loads into floating point, any precision): "
+        f"{', '.join(dtypes)}" if dtypes else "",
+        f"{len(non_finite)} with NaN or inf values: {_names(non_finite)} "
+        f"(send allow_non_finite: true to load them anyway)" if non_finite else "",
+    ]
+    return [p for p in problems if p]
+
+
+def _names(names: list[str], limit: int = 50) -> str:
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")

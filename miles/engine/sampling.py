@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -37,12 +38,17 @@ class SamplingParams:
     @classmethod
     def _parse(cls, params: dict[str, Any] | None) -> "SamplingParams":
         params = dict(params or {})
+        for name in sorted(set(params) & set(SGLANG_NEUTRAL)):
+            value, neutral = params.pop(name), SGLANG_NEUTRAL[name]
+            if value != neutral and not (neutral is None and value in ("", [], {})):
+                raise ValueError(f"sampling_params.{name}: the embedded engine supports only {json.dumps(neutral)} "
+                                 f"(SGLang's default), got {json.dumps(value, default=repr)}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
             raise ValueError(
                 f"sampling_params: unknown parameter(s) {', '.join(map(repr, unknown))}; "
-                f"supported: {', '.join(sorted(known))}"
+                f"supported: {', '.join(sorted(known))}, and SGLang's other parameters at their defaults"
             )
         out = cls(**{**params, "stop_token_ids": tuple(params.get("stop_token_ids") or ())})
         checks = [
@@ -60,6 +66,15 @@ class SamplingParams:
 
 
 _PARSED: dict[tuple, SamplingParams] = {}
+
+# SGLang's other sampling parameters, accepted at their default (neutral) value only: any other value is refused
+SGLANG_NEUTRAL: dict[str, Any] = {
+    "min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False, "stop": None,
+    "stop_regex": None, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+    "stream_interval": None, "logit_bias": None, "sampling_seed": None, "custom_params": None, "watermark": None,
+    "beam_width": None,
+}
 
 
 def sample_next(

@@ -290,9 +290,9 @@ def test_non_finite_weights_only_when_allowed_and_answers_stay_strict_json(serve
 
 
 def test_answers_are_strict_json_even_with_non_finite_floats():
-    from miles.engine.server import _json
+    from miles.engine.http_guard import json_answer
 
-    response = _json({"a": float("nan"), "b": [1.0, float("-inf")], "c": {"d": float("inf")}})
+    response = json_answer({"a": float("nan"), "b": [1.0, float("-inf")], "c": {"d": float("inf")}})
     assert strict_json(response.text) == {"a": None, "b": [1.0, None], "c": {"d": None}}
 
 

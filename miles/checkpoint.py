@@ -4,11 +4,14 @@ A checkpoint is ``<run.dir>/checkpoints/step_<k>/`` (``k`` RL steps done):
 
 - ``backend/``: what the training backend needs to continue (weights, optimizer, LR schedule, its RNG);
 - ``loop.pt``: the driver's RNG, the data position and the rollout engines' sampling RNG;
-- ``state.json``: step, weight version, the reward history, the model's architecture, the backend
-  and the plugin stack with versions (read before anything else, to refuse a mismatch).
+- ``state.json``: step, weight version, the reward history, the model's architecture, the backend,
+  the plugin stack with versions (read before anything else, to refuse a mismatch) and the size of
+  every other file of the checkpoint.
 
 It is written under a hidden temporary name and renamed into place when complete, so a run killed
 mid-write leaves no ``step_*`` directory behind, and only complete ones are ever resumed from.
+A checkpoint damaged later (a truncated file, a size that differs from the one recorded) is skipped
+with a warning that names the file, and the run resumes from the newest intact one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import re
 import shutil
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +30,8 @@ import torch
 
 from miles.errors import ConfigError
 
-__all__ = ["Checkpoint", "save_checkpoint", "latest_checkpoint", "check_compatible", "model_signature"]
+__all__ = ["Checkpoint", "save_checkpoint", "latest_checkpoint", "newest_intact_checkpoint", "damage",
+           "check_compatible", "model_signature"]
 
 _NAME = re.compile(r"^step_(\d+)$")
 # Fields of an HF config.json that do not change what a checkpoint's weights mean.
@@ -65,7 +70,8 @@ def save_checkpoint(root: Path, state: dict[str, Any], loop_state: dict[str, Any
         (tmp / "backend").mkdir()
         backend.save_checkpoint(str(tmp / "backend"))
         torch.save(loop_state, tmp / "loop.pt")
-        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / "state.json").write_text(json.dumps({**state, "files": files}, indent=1))
         if final.exists():  # a step redone after resuming from an earlier checkpoint
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -80,8 +86,53 @@ def _complete(root: Path) -> list[Checkpoint]:
     found = []
     for path in root.iterdir() if root.is_dir() else []:
         if _NAME.match(path.name) and (path / "state.json").is_file():
-            found.append(Checkpoint(path, json.loads((path / "state.json").read_text())))
+            try:
+                state = json.loads((path / "state.json").read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                state = {"step": int(_NAME.match(path.name).group(1)), "damaged": "state.json is not valid JSON"}
+            found.append(Checkpoint(path, state))
     return sorted(found, key=lambda c: c.step)
+
+
+def damage(checkpoint: Checkpoint) -> str | None:
+    """What is wrong with a checkpoint's files (naming the file), or None when it is intact.
+
+    Sizes are compared with those recorded at save time; safetensors headers and the zip directory
+    of ``.pt`` files are read (cheap: no tensor is loaded)."""
+    from safetensors import safe_open
+
+    if "damaged" in checkpoint.state:
+        return f"{checkpoint.path / 'state.json'}: {checkpoint.state['damaged']}"
+    recorded: dict[str, int] = checkpoint.state.get("files", {})
+    for name, size in recorded.items():
+        file = checkpoint.path / name
+        if not file.is_file():
+            return f"{file}: missing"
+        if file.stat().st_size != size:
+            return f"{file}: {file.stat().st_size} bytes, {size} when it was written (truncated or overwritten)"
+    if not (checkpoint.path / "loop.pt").is_file():
+        return f"{checkpoint.path / 'loop.pt'}: missing"
+    for file in sorted(checkpoint.path.rglob("*")):
+        try:
+            if file.suffix == ".safetensors":
+                with safe_open(str(file), "pt"):
+                    pass
+            elif file.suffix in (".pt", ".bin"):
+                zipfile.ZipFile(file).close()
+        except Exception as exc:
+            return f"{file}: cannot be read ({type(exc).__name__}: {exc})"
+    return None
+
+
+def newest_intact_checkpoint(root: Path) -> tuple[Checkpoint | None, list[str]]:
+    """The newest complete checkpoint whose files are intact, and what was wrong with each newer one."""
+    skipped = []
+    for checkpoint in reversed(_complete(root)):
+        problem = damage(checkpoint)
+        if problem is None:
+            return checkpoint, skipped
+        skipped.append(f"{checkpoint.path.name}: {problem}")
+    return None, skipped
 
 
 def latest_checkpoint(root: Path) -> Checkpoint | None:

@@ -15,23 +15,32 @@ from miles.errors import MilesError
 __all__ = ["main"]
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that the run unwinds like Ctrl-C (engines, Ray shut down)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from miles.runner import prepare, train
 
-    def terminate(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt  # unwind like Ctrl-C, so engines and Ray are shut down
-
-    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGTERM, _terminate)
     train(prepare(args.config, args.overrides))
     return 0
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
+    """The resolved config, after every check ``miles train`` makes before it starts (nothing is written)."""
     from omegaconf import OmegaConf
 
-    from miles.runner import prepare
+    from miles.preflight import preflight
+    from miles.runner import plugin_stack, prepare
 
-    print(OmegaConf.to_yaml(prepare(args.config, args.overrides).config), end="")
+    p = prepare(args.config, args.overrides)
+    preflight(p, plugin_stack(p.pm, p.registry)).discard()
+    print(OmegaConf.to_yaml(p.config), end="")
     return 0
 
 
@@ -135,9 +144,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MilesError as exc:
         print(f"miles: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Terminated:
+        print("miles: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("miles: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ _MAX_TEMP_DIR = 60  # Ray puts unix sockets under the temp dir; their paths must
 
 
 class RayCluster:
-    def __init__(self, cfg: Any, run_dir: Path) -> None:
+    def __init__(self, cfg: Any, run_dir: Path, num_cpus: int | None = None) -> None:
         import ray
 
         self.ray = ray
@@ -40,7 +40,7 @@ class RayCluster:
             temp_dir = self.temp_dir_for(run_dir)
             temp_dir.mkdir(parents=True, exist_ok=True)
             os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-            ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), object_store_memory=cfg.object_store_mb * 2**20,
+            ray.init(num_cpus=num_cpus or cfg.num_cpus or os.cpu_count(), object_store_memory=cfg.object_store_mb * 2**20,
                      _temp_dir=str(temp_dir), _node_ip_address="127.0.0.1", **kwargs)
         self.started_here = True
         if threading.current_thread() is threading.main_thread():

@@ -18,15 +18,12 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
-from miles.checkpoint import Checkpoint, check_compatible, latest_checkpoint, model_signature, save_checkpoint
+from miles.checkpoint import Checkpoint, model_signature, save_checkpoint
 from miles.config import load_config, validate_config
 from miles.config.algorithms import apply_estimator_defaults
 from miles.config.validate import component_node, split_node
-from miles.errors import DataError
 from miles.loop import Components, evaluate, rl_step, sft_step
-from miles.models import build_model_dir, load_tokenizer
 from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
 from miles.rollout.collect import GroupCollector
@@ -34,7 +31,9 @@ from miles.rollout.context import RolloutContext
 from miles.rollout.plane import RolloutPlane
 from miles.train.regularizers import regularized
 from miles.train.torch_backend import rng_state, set_rng_state
-from miles.rollout.data_source import Prompt, PromptSource, read_rows
+from miles.preflight import preflight
+from miles.progress import progress
+from miles.rollout.data_source import Prompt, PromptSource
 
 __all__ = ["Prepared", "prepare", "train", "plugin_stack"]
 
@@ -44,7 +43,13 @@ class Prepared:
         self.config, self.pm, self.registry = config, pm, registry
 
     def build(self, kind: str, key: str) -> Any:
-        return self.registry.build(kind, component_node(OmegaConf.select(self.config, key)), key)
+        args, extra = split_node(OmegaConf.select(self.config, key), key)
+        component = self.registry.build(kind, args, key)
+        if "timeout_s" in extra:  # the stage that calls it keeps to the limit (rollout.fn, reward)
+            from miles.rollout.generate import with_time_limit
+
+            component = with_time_limit(component, extra["timeout_s"])
+        return component
 
 
 def prepare(config_path: str | Path | None, overrides: Sequence[str] = (), extra_plugins=()) -> Prepared:
@@ -73,27 +78,6 @@ def plugin_stack(pm: PluginManager, registry: Registry) -> list[dict[str, Any]]:
              "module": info.module, "builtin": info.builtin, "registered": registered}
         )
     return stack
-
-
-def _progress(total: int, desc: str, enabled: bool) -> tqdm:
-    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True, leave=True)
-
-
-def _prepare_data(p: Prepared, run_dir: Path) -> tuple[str, str | None]:
-    cfg = p.config.data
-    if cfg.generator is None:
-        return cfg.train_path, cfg.eval_path
-    generate = p.build("data_generator", "data.generator")
-    splits = generate(int(p.config.run.seed))
-    data_dir = run_dir / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, rows in splits.items():
-        paths[split] = data_dir / f"{split}.jsonl"
-        paths[split].write_text("".join(json.dumps(row) + "\n" for row in rows))
-    if "train" not in paths:
-        raise DataError(f"data generator {cfg.generator.name!r} returned no 'train' split (got {', '.join(splits)})")
-    return str(cfg.train_path or paths["train"]), str(cfg.eval_path or paths.get("eval") or "") or None
 
 
 def _summary_text(summary: dict[str, Any]) -> str:
@@ -125,12 +109,12 @@ class _Run:
     stack: list[dict[str, Any]]
     tokenizer: Any
     pad_token_id: int
-    train_rows: list[dict[str, Any]]
-    source_args: dict[str, Any]
+    train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
     loggers: list[Any]
     closing: ExitStack
     cluster: Any = None  # miles.cluster.RayCluster, when engines or the backend run on Ray
+    ray_num_cpus: int | None = None  # CPUs of a local Ray instance (see miles.preflight)
     base_model: str = ""  # the model the run starts from, before any SFT; its architecture is checked on resume
     resume_from: Checkpoint | None = None
     times: dict[str, float] = field(default_factory=dict)
@@ -144,7 +128,7 @@ class _Run:
         if self.cluster is None:
             from miles.cluster import RayCluster
 
-            self.cluster = RayCluster(self.p.config.cluster, self.run_dir)
+            self.cluster = RayCluster(self.p.config.cluster, self.run_dir, num_cpus=self.ray_num_cpus)
             self.closing.callback(self.cluster.shutdown)
         return self.cluster
 
@@ -162,12 +146,12 @@ def _sft_phase(run: _Run, model_path: str) -> str:
     backend = run.build_backend(lr=float(config.sft.lr))
     backend.setup(model_path, seed=run.seed, total_steps=config.sft.steps)
     loss = run.p.build("loss", "sft.loss")
-    data = PromptSource(run.train_rows, run.tokenizer, shuffle=True, **{**run.source_args, "seed": run.seed + 1})
-    with _progress(config.sft.steps, "sft", config.run.progress) as bar:
+    data = PromptSource.from_prompts(run.train_prompts, shuffle=True, seed=run.seed + 1)
+    with progress(config.sft.steps, "sft", config.run.progress) as bar:
         for _ in range(config.sft.steps):
             metrics = sft_step(data, run.tokenizer, config.sft.batch_size, backend, loss, run.pad_token_id)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", refresh=False)
             bar.update()
-            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
     out = str(run.run_dir / "sft_model")
     backend.save_pretrained(out, run.tokenizer, {"phase": "sft", "step": config.sft.steps, "plugins": run.stack})
     backend.shutdown()
@@ -234,7 +218,7 @@ def _rl_phase(run: _Run, model_path: str) -> str:
     sampling = OmegaConf.to_container(config.rollout.sampling)
     c = Components(
         pm=p.pm,
-        train_data=PromptSource(run.train_rows, run.tokenizer, shuffle=config.data.shuffle, **run.source_args),
+        train_data=PromptSource.from_prompts(run.train_prompts, shuffle=config.data.shuffle, seed=run.seed),
         rollout_fn=p.build("rollout_fn", "rollout.fn"),
         rollout_ctx=RolloutContext(engine=plane.client, tokenizer=run.tokenizer, sampling_params=sampling, run=plane.run),
         plane=plane,
@@ -302,7 +286,7 @@ def _rl_phase(run: _Run, model_path: str) -> str:
     if run.eval_prompts and first_step == 0:
         run.summary.update(eval_start=run_eval(), eval_prompts=len(run.eval_prompts),
                            eval_train_prompts=len(train_eval_prompts))
-    with _progress(run_cfg.steps, config.advantage.name, run_cfg.progress) as bar:
+    with progress(run_cfg.steps, config.advantage.name, run_cfg.progress) as bar:
         bar.update(first_step)
         for step in range(first_step, run_cfg.steps):
             step_start = time.perf_counter()
@@ -317,8 +301,8 @@ def _rl_phase(run: _Run, model_path: str) -> str:
             rewards.append(metrics["reward/mean"])
             if run_cfg.save_every and (step + 1) % run_cfg.save_every == 0:
                 checkpoint(step + 1)
+            bar.set_postfix(reward=f"{fmean(rewards[-10:]):.3f}", refresh=False)
             bar.update()
-            bar.set_postfix(reward=f"{fmean(rewards[-10:]):.3f}")
     if run.eval_prompts:
         run.summary["eval_end"] = run_eval()
         for logger in run.loggers:
@@ -332,46 +316,23 @@ def _rl_phase(run: _Run, model_path: str) -> str:
     return out
 
 
-def _checkpoint_to_resume(run: _Run, base_model: str) -> Checkpoint | None:
-    found = latest_checkpoint(run.run_dir / "checkpoints")
-    if found is None:
-        print(f"run.resume: no checkpoint under {run.run_dir / 'checkpoints'}; starting from step 0", file=sys.stderr)
-        return None
-    check_compatible(found, model=model_signature(base_model), backend=run.p.config.backend.name, plugins=run.stack)
-    if not Path(found.state["start_model"], "config.json").is_file():
-        raise DataError(f"run.resume: checkpoint {found.path} continues from {found.state['start_model']}, "
-                        f"which no longer exists")
-    print(f"run.resume: continuing from {found.path} ({found.step} steps done)", file=sys.stderr)
-    return found
-
-
 def train(p: Prepared) -> dict[str, Any]:
-    """Run every phase; returns the summary (also written to ``<run.dir>/summary.json``)."""
+    """Run every phase; returns the summary (also written to ``<run.dir>/summary.json``).
+
+    Every check runs first (:func:`miles.preflight.preflight`); ``run.dir`` changes only after all passed.
+    """
     config, run_cfg, started = p.config, p.config.run, time.perf_counter()
-    seed, run_dir = int(run_cfg.seed), Path(run_cfg.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    seed = int(run_cfg.seed)
+    stack = plugin_stack(p.pm, p.registry)
+    staged = preflight(p, stack)
+    staged.commit(overwrite=bool(run_cfg.overwrite))
+    run_dir, model_path, tokenizer = staged.run_dir, staged.model_path, staged.tokenizer
     torch.manual_seed(seed)
     if run_cfg.torch_threads > 0:
         torch.set_num_threads(run_cfg.torch_threads)
-
-    stack = plugin_stack(p.pm, p.registry)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config))
     (run_dir / "run.json").write_text(json.dumps({"config": OmegaConf.to_container(config), "plugins": stack}, indent=1))
     p.pm.hook.miles_run_start(run_dir=str(run_dir), config=config, plugins=stack)
-
-    train_path, eval_path = _prepare_data(p, run_dir)
-    model_path = config.model.path
-    if model_path is None:
-        model_path = str(build_model_dir(config.model.build, config.model.tokenizer, run_dir / "init_model", seed))
-    tokenizer = load_tokenizer(model_path)
-    data_cfg = config.data
-    source_args = dict(prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key,
-                       chat_template=data_cfg.chat_template, seed=seed)
-    label_key = data_cfg.label_key if config.sft.steps > 0 else None  # SFT needs labels; RL rewards may not
-    eval_prompts: list[Prompt] = []
-    if eval_path and run_cfg.eval_size > 0 and run_cfg.steps > 0:
-        eval_rows = read_rows(eval_path, data_cfg.prompt_key, None)[: run_cfg.eval_size]
-        eval_prompts = PromptSource(eval_rows, tokenizer, shuffle=False, **source_args).prompts
 
     with ExitStack() as closing:
         loggers = [p.registry.build("logger", component_node(node), f"run.loggers[{i}]")
@@ -382,13 +343,16 @@ def train(p: Prepared) -> dict[str, Any]:
         run = _Run(
             p, run_dir, seed, stack, tokenizer,
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-            train_rows=read_rows(train_path, data_cfg.prompt_key, label_key), source_args=source_args,
-            eval_prompts=eval_prompts, loggers=loggers, closing=closing, summary={"run_dir": str(run_dir), "plugins": stack},
+            train_prompts=staged.train_prompts, eval_prompts=staged.eval_prompts, loggers=loggers, closing=closing,
+            ray_num_cpus=staged.ray_num_cpus,
+            summary={"run_dir": str(run_dir), "plugins": stack, **{k: v for k, v in staged.data_stats.items() if v}},
         )
         run.timed("setup", started)
         run.base_model = model_path
-        run.resume_from = _checkpoint_to_resume(run, model_path) if run_cfg.resume else None
+        run.resume_from = staged.resume_from
         if run.resume_from is not None:
+            print(f"run.resume: continuing from {run.resume_from.path} ({run.resume_from.step} steps done)",
+                  file=sys.stderr)
             model_path = run.resume_from.state["start_model"]  # the SFT phase (if any) finished before it
         elif config.sft.steps > 0:
             model_path = _sft_phase(run, model_path)

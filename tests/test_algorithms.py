@@ -1,6 +1,7 @@
 """Advantage and loss values against small hand-computed cases."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ from types import SimpleNamespace
 
 from miles.builtin.advantages import batch_whiten, dr_grpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo
 from miles.builtin.losses import aggregate, ppo_clip, sft
+from miles.errors import ConfigError
+from miles.runner import prepare
 from miles.types import LossInputs, Sample, SampleStatus, TrainBatch
 
 
@@ -92,6 +95,12 @@ def test_sft_is_token_mean_nll_over_the_global_batch():
     inputs = loss_inputs([-1.0, -3.0, -5.0], [0.0] * 3, [0.0] * 3, [1, 1, 0], normalizer=4.0)
     loss, _ = sft(inputs)
     assert loss.item() == pytest.approx(4.0 / 4.0)
+
+
+def test_sft_with_the_constant_normaliser():
+    inputs = loss_inputs([-1.0, -3.0, -5.0], [0.0] * 3, [0.0] * 3, [1, 1, 0], normalizer=4.0)
+    loss, _ = sft(inputs, agg="constant", norm_tokens=8)
+    assert loss.item() == pytest.approx(4.0 / (1 * 8))  # token sum / (sequences x norm_tokens)
 
 
 def test_dr_grpo_only_subtracts_the_group_mean():
@@ -190,3 +199,30 @@ def test_ppo_gae_hand_computed():
     masked.loss_mask[0, 2] = 0
     masked.values = torch.tensor([[0.0, 0.5, 7.0, 0.8]])
     assert close(ppo(masked, gamma=1.0, lam=1.0, whiten=False), [[0.0, 0.5, 0.0, 0.2]])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sft.loss.agg=constant"], "sft.loss: loss 'sft' rejected its arguments: agg=constant needs norm_tokens"),
+    (["sft.loss.agg=constant", "sft.loss.norm_tokens=0"], "agg=constant needs norm_tokens, a whole number >= 1"),
+    (["loss.agg=sum"], "loss: loss 'ppo_clip' rejected its arguments: agg='sum' is not an aggregation"),
+    (["loss.ratio=seq"], "ratio='seq': expected token or sequence"),
+    (["loss.tis=tok"], "tis='tok': expected none, token or sequence"),
+    (["loss.tis_mode=drop"], "tis_mode='drop': expected truncate or mask"),
+    (["loss.tis_cap=0"], "tis_cap must be > 0"),
+    (["loss.clip_c=0.9"], "clip_c (the dual clip) must be a number > 1"),
+    (["loss.clip_low=1.0"], "need 0 <= clip_low < 1 and clip_high >= 0"),
+    (["advantage.eps=0"], "advantage: advantage 'grpo' rejected its arguments: eps must be > 0"),
+    (["advantage.name=gspo", "advantage.eps=0"], "advantage: advantage 'gspo' rejected its arguments: eps must be > 0"),
+    (["selection=[{name: over_sampling, factor: 0.5}]"],
+     "selection[0]: data_selector 'over_sampling' rejected its arguments: factor must be >= 1"),
+    (["rollout.n_samples=4", "selection=[{name: dynamic_sampling, min_samples: 5}]"],
+     "selection[0]=dynamic_sampling with rollout.n_samples=4 would discard every group forever"),
+])
+def test_arguments_that_only_work_together_are_refused_at_validation(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        prepare("configs/quickstart.yaml", overrides)
+
+
+def test_arguments_that_work_together_are_accepted():
+    prepare("configs/quickstart.yaml", ["sft.loss.agg=constant", "sft.loss.norm_tokens=8", "advantage.eps=0",
+                                        "advantage.normalize_std=false", "loss.clip_c=3", "loss.agg=constant"])

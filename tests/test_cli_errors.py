@@ -31,6 +31,8 @@ def rows_file(tmp_path):
         (["loss.clip=0.3"], "loss.clip: loss 'ppo_clip' takes no argument 'clip'"),
         (["data.generator=null", "data.train_path=/nonexistent/train.jsonl"], "data file '/nonexistent/train.jsonl' does not exist"),
         (["reward.name=no_such_module:fn"], "cannot import reward 'no_such_module:fn'"),
+        (["reward.timeout_s=-1"], "reward.timeout_s: expected a number of seconds > 0, or 0 for no limit, got -1"),
+        (["loss.agg=sum"], "loss: loss 'ppo_clip' rejected its arguments: agg='sum' is not an aggregation"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(capsys, tmp_path, overrides, expected):
@@ -42,7 +44,7 @@ def test_bad_input_exits_2_with_a_clear_message(capsys, tmp_path, overrides, exp
 
 
 def test_rows_without_prompt_key(capsys, tmp_path, rows_file):
-    code, err = run_main(capsys, f"run.dir={tmp_path}", "data.generator=null", f"data.train_path={rows_file}")
+    code, err = run_main(capsys, f"run.dir={tmp_path / 'run'}", "data.generator=null", f"data.train_path={rows_file}")
     assert code == 2
     assert "rows have no 'prompt' column (data.prompt_key); its columns are: question, answer" in err
 
@@ -52,4 +54,12 @@ def test_real_process_exit_code_and_no_traceback(miles_cli, tmp_path):
     assert result.returncode == 2
     assert "did you mean 'exact_match'?" in result.stderr
     assert "rollout.n_samples: expected a whole number >= 1, got 0" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["config", "train"])
+def test_arguments_that_only_work_together_exit_2_naming_node_and_keys(miles_cli, tmp_path, command):
+    result = miles_cli(command, "configs/quickstart.yaml", f"run.dir={tmp_path}", "sft.loss.agg=constant")
+    assert result.returncode == 2
+    assert "sft.loss: loss 'sft' rejected its arguments: agg=constant needs norm_tokens" in result.stderr
     assert "Traceback" not in result.stderr

@@ -71,8 +71,8 @@ def test_quickstart_config_is_valid():
     validate_config(load_config(QUICKSTART), make_registry())
 
 
-def test_miles_config_prints_resolved_config(capsys):
-    assert main(["config", QUICKSTART, "run.steps=3", "reward.name=exact_match"]) == 0
+def test_miles_config_prints_resolved_config(capsys, tmp_path):
+    assert main(["config", QUICKSTART, "run.steps=3", "reward.name=exact_match", f"run.dir={tmp_path / 'run'}"]) == 0
     printed = OmegaConf.create(capsys.readouterr().out)
     assert printed.run.steps == 3
     assert printed.rollout.sampling.max_new_tokens == 4

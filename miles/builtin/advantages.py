@@ -3,10 +3,14 @@
 Sequence rewards are ``batch.sequence_rewards()``: the reward minus the summed token KL penalty when
 ``regularization.kl_in`` is ``reward``; REINFORCE++ uses the token penalties themselves.
 An estimator may carry ``loss_defaults``: loss arguments the runner fills in when the config's loss
-node does not set them (GSPO's sequence-level ratio, Dr. GRPO's constant normaliser).
+node does not set them (GSPO's sequence-level ratio, Dr. GRPO's constant normaliser), and
+``check_args``: validation calls it with the config's arguments and it raises ValueError for values
+that do not work together.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -64,6 +68,15 @@ def dr_grpo(batch: TrainBatch, whiten: bool = False) -> torch.Tensor:
 dr_grpo.loss_defaults = {"agg": "constant"}  # type: ignore[attr-defined]
 
 
+def _check_eps(args: dict[str, Any]) -> None:
+    if args.get("normalize_std", True) and not args["eps"] > 0:
+        raise ValueError(f"eps must be > 0 where advantages are divided by the group's std (normalize_std=true): "
+                         f"a group whose rewards are all equal has std 0; got eps={args['eps']!r}")
+
+
+grpo.check_args = _check_eps  # type: ignore[attr-defined]
+
+
 def rloo(batch: TrainBatch, whiten: bool = False) -> torch.Tensor:
     """RLOO: ``r_i - mean_{j != i} r_j`` over the other samples of the group (0 for a group of one)."""
     rewards = batch.sequence_rewards()
@@ -113,6 +126,7 @@ def gspo(batch: TrainBatch, eps: float = 1e-6, whiten: bool = False) -> torch.Te
     return grpo(batch, normalize_std=True, eps=eps, whiten=whiten)
 
 
+gspo.check_args = _check_eps  # type: ignore[attr-defined]
 gspo.loss_defaults = {  # type: ignore[attr-defined]
     "ratio": "sequence", "clip_low": 3e-4, "clip_high": 4e-4, "agg": "seq_mean_token_mean",
 }

@@ -1,7 +1,12 @@
 """Builtin losses: PPO's clipped surrogate (token or sequence ratio, clip-higher, dual clip, truncated
-importance sampling, four aggregations) and the SFT loss. See docs/algorithms.md for the formulas."""
+importance sampling, four aggregations) and the SFT loss. See docs/algorithms.md for the formulas.
+
+Each carries ``check_args``: validation calls it with the config's arguments (over the defaults), so
+values that do not work, alone or together, are refused before the run starts."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -32,6 +37,16 @@ def aggregate(values: torch.Tensor, inputs: LossInputs, agg: str = "token_mean",
     if agg == "constant":
         return per_sequence.sum() / (inputs.sequence_normalizer * norm_tokens)
     raise ValueError(f"unknown aggregation {agg!r}; expected one of {', '.join(AGGREGATIONS)}")
+
+
+def _check_aggregation(args: dict[str, Any]) -> None:
+    agg, norm_tokens = args["agg"], args["norm_tokens"]
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"agg={agg!r} is not an aggregation; expected one of {', '.join(AGGREGATIONS)}")
+    if agg == "constant" and (isinstance(norm_tokens, bool) or not isinstance(norm_tokens, int) or norm_tokens < 1):
+        got = "" if norm_tokens is None else f", got {norm_tokens!r}"
+        raise ValueError(f"agg=constant needs norm_tokens, a whole number >= 1 (each sequence's summed loss is "
+                         f"divided by it){got}")
 
 
 def _token_mean(values: torch.Tensor, inputs: LossInputs) -> float:
@@ -93,11 +108,32 @@ def ppo_clip(inputs: LossInputs, clip_low: float = 0.2, clip_high: float = 0.2, 
     return aggregate(per_token, inputs, agg, norm_tokens), metrics
 
 
+def _check_ppo_clip(args: dict[str, Any]) -> None:
+    _check_aggregation(args)
+    for key, choices in (("ratio", ("token", "sequence")), ("tis", ("none", "token", "sequence")),
+                         ("tis_mode", ("truncate", "mask"))):
+        if args[key] not in choices:
+            raise ValueError(f"{key}={args[key]!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
+    if not (0 <= args["clip_low"] < 1 and args["clip_high"] >= 0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={args['clip_low']!r}, "
+                         f"clip_high={args['clip_high']!r}")
+    clip_c = args["clip_c"]
+    if clip_c is not None and (isinstance(clip_c, bool) or not isinstance(clip_c, (int, float)) or clip_c <= 1):
+        raise ValueError(f"clip_c (the dual clip) must be a number > 1, or null for none, got {clip_c!r}")
+    if not args["tis_cap"] > 0:
+        raise ValueError(f"tis_cap must be > 0, got {args['tis_cap']!r}")
 
 
-def sft(inputs: LossInputs, agg: str = "token_mean") -> tuple[torch.Tensor, dict[str, float]]:
-    """Negative log-likelihood of the loss-masked tokens."""
-    return aggregate(-inputs.logprobs, inputs, agg), {}
+ppo_clip.check_args = _check_ppo_clip  # type: ignore[attr-defined]
+
+
+def sft(inputs: LossInputs, agg: str = "token_mean",
+        norm_tokens: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Negative log-likelihood of the loss-masked tokens, reduced by ``agg`` (see :func:`aggregate`)."""
+    return aggregate(-inputs.logprobs, inputs, agg, norm_tokens), {}
+
+
+sft.check_args = _check_aggregation  # type: ignore[attr-defined]
 
 
 @hookimpl(trylast=True)

@@ -62,10 +62,12 @@ def conflicts(config: DictConfig, registry: Registry) -> list[str]:
     if getattr(loss_fn, "needs_ref_logprobs", False) and config.regularization.kl_coef <= 0:
         problems.append(f"loss.name={loss.get('name')} needs a reference model, which loads only with "
                         f"regularization.kl_coef > 0")
-    if config.rollout.n_samples < 2:
-        for i, node in enumerate(config.selection):
-            if component_node(node).get("name") in ("drop_equal_rewards", "dynamic_sampling"):
-                problems.append(f"selection[{i}]={component_node(node)['name']} with rollout.n_samples="
-                                f"{config.rollout.n_samples} would discard every group forever (a group of one "
-                                f"sample always has equal rewards): set rollout.n_samples >= 2")
+    for i, node in enumerate(map(component_node, config.selection)):
+        if node.get("name") not in ("drop_equal_rewards", "dynamic_sampling"):
+            continue
+        needed = max(2, node.get("min_samples", 2))
+        if config.rollout.n_samples < needed:
+            problems.append(f"selection[{i}]={node['name']} with rollout.n_samples={config.rollout.n_samples} would "
+                            f"discard every group forever (it keeps groups of at least max(2, min_samples) samples "
+                            f"whose rewards differ): set rollout.n_samples >= {needed}")
     return problems

@@ -31,13 +31,38 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
         raise ConfigError(f"cannot parse overrides {list(overrides)}: {exc}") from exc
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that refuses a key repeated in one mapping (YAML would silently keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); "
+                    f"merge the two into one", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path) -> DictConfig:
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; expected a YAML file (e.g. configs/quickstart.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (is it a binary file?)") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+    if data is None:
+        raise ConfigError(f"config file {str(path)!r} is empty; expected a mapping of sections "
+                          f"(model:, data:, rollout:, run: ...), e.g. configs/quickstart.yaml")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
     return OmegaConf.create(data)

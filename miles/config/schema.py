@@ -52,6 +52,7 @@ class DataConfig:
     label_key: str = "label"
     chat_template: str = "auto"  # auto: when the tokenizer has one; "true" or "false" to force
     shuffle: bool = True
+    overlong_prompts: str = "error"  # prompts that leave no room for max_new_tokens: "error" or "drop" (counted)
 
 
 @dataclass
@@ -101,6 +102,7 @@ class RunConfig:
     save_every: int = 0  # write a checkpoint every k RL steps (0: none); see docs/checkpoints.md
     keep_checkpoints: int = 2  # newest checkpoints kept (0 keeps all)
     resume: bool = False  # continue from the newest complete checkpoint under <dir>/checkpoints, if any
+    overwrite: bool = False  # replace what an earlier run left in <dir> (without it, a non-empty <dir> is refused)
     loggers: Any = field(default_factory=lambda: [{"name": "jsonl"}])
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
@@ -161,6 +163,10 @@ COMPONENT_NODES: dict[str, str] = {
     "data.generator": "data_generator",
 }
 OPTIONAL_NODES = {"data.generator"}
-# Keys of a component node that configure how it is run rather than the component itself.
-ORCHESTRATION_KEYS: dict[str, tuple[str, ...]] = {"rollout.engine": ("num_engines",)}
+# Keys of a component node that configure how it is run rather than the component itself, with defaults.
+ORCHESTRATION_KEYS: dict[str, dict[str, Any]] = {
+    "rollout.engine": {"num_engines": 0},  # 0: in process; N >= 1: N engines over HTTP as Ray actors
+    "rollout.fn": {"timeout_s": 0.0},  # seconds per sample, waiting for the engine included; 0: no limit
+    "reward": {"timeout_s": 60.0},  # seconds per call (per batch for a batched reward); 0: no limit
+}
 COMPONENT_LISTS: dict[str, str] = {"selection": "data_selector", "run.loggers": "logger"}

@@ -3,6 +3,8 @@ what it names, and the values that must lie in a range. All problems are reporte
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +42,7 @@ _RANGES: list[tuple[str, Any, str]] = [
     ("regularization.kl_estimator", lambda v: v in ("k1", "k2", "k3"), "k1, k2 or k3"),
     ("regularization.kl_in", lambda v: v in ("loss", "reward"), "loss or reward"),
     ("data.chat_template", lambda v: v in ("auto", "true", "false", True, False), "auto, true or false"),
+    ("data.overlong_prompts", lambda v: v in ("error", "drop"), "error or drop"),
 ]
 
 
@@ -55,10 +58,27 @@ def component_node(node: Any) -> dict[str, Any]:
 
 
 def split_node(node: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(component arguments, orchestration keys) of a node."""
+    """(component arguments, orchestration keys with their defaults) of a node."""
     plain = component_node(node)
-    extra = {k: plain.pop(k) for k in ORCHESTRATION_KEYS.get(where, ()) if k in plain}
+    extra = {k: plain.pop(k, default) for k, default in ORCHESTRATION_KEYS.get(where, {}).items()}
     return plain, extra
+
+
+def _argument_problems(registry: Registry, kind: str, args: dict[str, Any], where: str) -> list[str]:
+    """Arguments that only work together, as the component judges them (raising ValueError): a data
+    selector's constructor, or the ``check_args(args)`` a component carries, given the node's arguments
+    over the defaults of its signature."""
+    obj = registry.get(kind, args["name"]).obj
+    given = {k: v for k, v in args.items() if k != "name"}
+    try:
+        if kind == "data_selector" and inspect.isclass(obj):
+            obj(**given)
+        elif hasattr(obj, "check_args"):
+            params = inspect.signature(obj).parameters.values()
+            obj.check_args({**{p.name: p.default for p in params if p.default is not p.empty}, **given})
+    except (TypeError, ValueError) as exc:
+        return [f"{where}: {kind} {args['name']!r} rejected its arguments: {exc}"]
+    return []
 
 
 def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[str]:
@@ -66,7 +86,10 @@ def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[st
         plain, extra = split_node(node, where)
     except TypeError:
         return [f"{where}: expected a mapping with 'name' (the {kind} to use) and its arguments, got {node!r}"]
-    problems = registry.check(kind, plain, where)
+    problems = registry.check(kind, plain, where) or _argument_problems(registry, kind, plain, where)
+    timeout = extra.get("timeout_s", 0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+        problems.append(f"{where}.timeout_s: expected a number of seconds > 0, or 0 for no limit, got {timeout!r}")
     engines = extra.get("num_engines", 0)
     if isinstance(engines, bool) or not isinstance(engines, int) or engines < 0:
         problems.append(f"{where}.num_engines: expected a whole number >= 0 (0: in process), got {engines!r}")

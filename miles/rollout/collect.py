@@ -28,6 +28,11 @@ class Collected:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def _timed_out(samples: list[Sample], stage: str) -> int:
+    return sum(s.status is SampleStatus.FAILED and (s.reason or "").startswith(f"{stage}: timed out")
+               for s in samples)
+
+
 class GroupCollector:
     """With ``partial_rollout``, each round's groups are selected as they complete, and once the batch
     is full the engines abort what is still generating: those samples keep their tokens and are
@@ -84,6 +89,7 @@ class GroupCollector:
             "selection/groups_removed": sum(removed),
             "selection/groups_kept": len(kept),
             "selection/rounds": rounds,
+            **{f"{stage}/timeouts": _timed_out(samples, stage) for stage in ("rollout", "reward")},
         }
         for (name, selector), count in zip(self.selectors, removed):
             metrics[f"selection/{name}_removed"] = count

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 from miles.errors import DataError
 
-__all__ = ["Prompt", "PromptSource", "read_rows", "encode_prompt"]
+__all__ = ["Prompt", "PromptSource", "read_rows", "encode_prompt", "encode_rows"]
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -32,6 +33,8 @@ def read_rows(path: str | Path, prompt_key: str, label_key: str | None) -> list[
     builder = _FORMATS.get(path.suffix.lower())
     if builder is None:
         raise DataError(f"data file {str(path)!r}: unsupported extension {path.suffix!r}; expected .jsonl or .parquet")
+    if builder == "json":
+        _check_jsonl(path)
     datasets.disable_progress_bars()
     try:
         dataset = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True)
@@ -52,6 +55,30 @@ def read_rows(path: str | Path, prompt_key: str, label_key: str | None) -> list[
     return rows
 
 
+def _check_jsonl(path: Path) -> None:
+    """Name the file and the 1-based line of the first row that is not a JSON object."""
+    rows = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"data file {str(path)!r}, line {number}: not UTF-8 text (is it a binary file?)") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"data file {str(path)!r}, line {number}: not valid JSON ({exc.msg} at column "
+                                f"{exc.colno}); each line must hold one JSON object") from None
+            if not isinstance(row, dict):
+                raise DataError(f"data file {str(path)!r}, line {number}: expected a JSON object "
+                                f"({{\"prompt\": ...}}), got {type(row).__name__}")
+            rows += 1
+    if rows == 0:
+        raise DataError(f"data file {str(path)!r} has no rows (it is empty); expected one JSON object per line")
+
+
 def encode_prompt(tokenizer: Any, prompt: Any, chat_template: bool) -> list[int]:
     """Token ids for a prompt: through the chat template when asked, else plain encoding."""
     if chat_template:
@@ -63,16 +90,32 @@ def encode_prompt(tokenizer: Any, prompt: Any, chat_template: bool) -> list[int]
     return tokenizer(str(prompt))["input_ids"]
 
 
+def encode_rows(rows: list[dict[str, Any]], tokenizer: Any, *, prompt_key: str, label_key: str | None,
+                chat_template: str | bool) -> list[Prompt]:
+    """Every row as a :class:`Prompt`, its token ids encoded once (through the chat template when used)."""
+    use_template = _use_chat_template(tokenizer, chat_template)
+    return [Prompt(i, row[prompt_key], row.get(label_key) if label_key else None,
+                   encode_prompt(tokenizer, row[prompt_key], use_template))
+            for i, row in enumerate(rows)]
+
+
 class PromptSource:
     """Serves prompts in a seeded shuffled order, epoch after epoch; ``position`` counts prompts served."""
 
     def __init__(self, rows: list[dict[str, Any]], tokenizer: Any, *, prompt_key: str, label_key: str,
                  chat_template: str | bool, shuffle: bool, seed: int) -> None:
-        use_template = _use_chat_template(tokenizer, chat_template)
-        self.prompts = [
-            Prompt(i, row[prompt_key], row.get(label_key), encode_prompt(tokenizer, row[prompt_key], use_template))
-            for i, row in enumerate(rows)
-        ]
+        prompts = encode_rows(rows, tokenizer, prompt_key=prompt_key, label_key=label_key, chat_template=chat_template)
+        self._init(prompts, shuffle, seed)
+
+    @classmethod
+    def from_prompts(cls, prompts: list[Prompt], *, shuffle: bool, seed: int) -> "PromptSource":
+        """A source over prompts encoded already (see :func:`encode_rows`)."""
+        source = cls.__new__(cls)
+        source._init(list(prompts), shuffle, seed)
+        return source
+
+    def _init(self, prompts: list[Prompt], shuffle: bool, seed: int) -> None:
+        self.prompts = prompts
         self.shuffle = shuffle
         self.seed = seed
         self.position = 0

@@ -1,16 +1,24 @@
-"""The reward stage: plain, async and batched reward functions, with failures recorded per sample."""
+"""The reward stage: plain, async and batched reward functions, each call under the configured time
+limit (``reward.timeout_s``), with failures recorded per sample.
+
+Under a limit, a plain (sync) reward runs in a daemon thread, one sample at a time, so that a call
+that never returns can be abandoned. Python cannot kill a thread: an abandoned one is left behind,
+and as a daemon it does not hold up the exit of the process.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
+from miles.rollout.generate import failure_reason, time_limit, within
 from miles.types import Sample
 
-__all__ = ["score_samples"]
+__all__ = ["score_samples", "score_samples_async"]
 
 
 def _is_async(fn: Callable) -> bool:
@@ -34,22 +42,9 @@ def _check(sample: Sample, value: Any) -> None:
 
 
 def score_samples(samples: list[Sample], reward_fn: Callable) -> None:
-    """Set ``reward`` on every trainable sample in place; a raising reward fails only its sample."""
-    target = getattr(reward_fn, "func", reward_fn)
-    if getattr(target, "miles_batched", False) or _is_async(reward_fn):
-        asyncio.run(score_samples_async(samples, reward_fn))
-        return
-    _score_each([s for s in samples if s.trainable], reward_fn)
-
-
-def _score_each(samples: list[Sample], reward_fn: Callable) -> None:
-    for sample in samples:
-        try:
-            value = reward_fn(sample)
-        except Exception as exc:
-            sample.fail(f"reward: {type(exc).__name__}: {exc}")
-            continue
-        _check(sample, value)
+    """Set ``reward`` on every trainable sample in place; a reward that raises or runs past its time
+    limit fails only its sample (a batched one, every sample of the batch)."""
+    asyncio.run(score_samples_async(samples, reward_fn))
 
 
 async def score_samples_async(samples: list[Sample], reward_fn: Callable) -> None:
@@ -57,35 +52,116 @@ async def score_samples_async(samples: list[Sample], reward_fn: Callable) -> Non
     todo = [s for s in samples if s.trainable]
     if not todo:
         return
-    target = getattr(reward_fn, "func", reward_fn)
-    if getattr(target, "miles_batched", False):
-        try:
-            values = reward_fn(todo)
-            if inspect.isawaitable(values):
-                values = await values
-            values = list(values)
-            if len(values) != len(todo):
-                raise ValueError(f"returned {len(values)} rewards for {len(todo)} samples")
-        except Exception as exc:
+    if getattr(getattr(reward_fn, "func", reward_fn), "miles_batched", False):
+        await _score_batch(todo, reward_fn)
+    elif _is_async(reward_fn):
+        await asyncio.gather(*(_score_one(s, reward_fn) for s in todo))
+    elif time_limit(reward_fn) is None:
+        for sample in todo:  # one at a time, as a plain function expects
+            await _score_one(sample, reward_fn)
+    else:
+        await _score_plain_limited(todo, reward_fn, time_limit(reward_fn))
+
+
+async def _score_plain_limited(samples: list[Sample], reward_fn: Callable, timeout_s: float) -> None:
+    """A plain reward, one sample at a time on a daemon worker thread. A call past the limit fails its
+    sample; that thread is left behind (Python cannot kill it) and a new one scores the rest."""
+    loop = asyncio.get_running_loop()
+    while samples:
+        results: asyncio.Queue = asyncio.Queue()
+        abandoned = threading.Event()
+
+        def work(todo: list[Sample] = samples, abandoned: threading.Event = abandoned,
+                 results: asyncio.Queue = results) -> None:
             for sample in todo:
-                sample.fail(f"reward: {type(exc).__name__}: {exc}")
-            return
-        for sample, value in zip(todo, values):
-            _check(sample, value)
-        return
-    if _is_async(reward_fn):
-        await _score_async(todo, reward_fn)
-        return
-    _score_each(todo, reward_fn)
+                if abandoned.is_set():
+                    return
+                try:
+                    outcome = (reward_fn(sample), None)
+                except Exception as exc:  # recorded on the sample by the waiting side
+                    outcome = (None, exc)
+                try:
+                    loop.call_soon_threadsafe(results.put_nowait, outcome)
+                except RuntimeError:  # the event loop is closed: nobody waits any more
+                    return
+
+        threading.Thread(target=work, name="miles-reward", daemon=True).start()
+        todo, samples = samples, []
+        for i, sample in enumerate(todo):
+            try:
+                value, error = await asyncio.wait_for(results.get(), timeout_s)
+            except TimeoutError:
+                abandoned.set()
+                sample.fail(f"reward: timed out after {timeout_s:g} s")
+                samples = todo[i + 1:]
+                break
+            if error is None and inspect.isawaitable(value):
+                try:
+                    value = await within(timeout_s, value)
+                except Exception as exc:
+                    error = exc
+            if error is not None:
+                sample.fail(failure_reason("reward", error))
+            else:
+                _check(sample, value)
 
 
-async def _score_async(samples: list[Sample], reward_fn: Callable) -> None:
-    async def one(sample: Sample) -> None:
-        try:
-            value = await reward_fn(sample)
-        except Exception as exc:
-            sample.fail(f"reward: {type(exc).__name__}: {exc}")
-            return
+async def _score_one(sample: Sample, reward_fn: Callable) -> None:
+    try:
+        value = await _call(reward_fn, sample)
+    except Exception as exc:
+        sample.fail(failure_reason("reward", exc))
+        return
+    _check(sample, value)
+
+
+async def _score_batch(samples: list[Sample], reward_fn: Callable) -> None:
+    try:
+        values = list(await _call(reward_fn, samples))
+        if len(values) != len(samples):
+            raise ValueError(f"returned {len(values)} rewards for {len(samples)} samples")
+    except Exception as exc:
+        for sample in samples:
+            sample.fail(failure_reason("reward", exc))
+        return
+    for sample, value in zip(samples, values):
         _check(sample, value)
 
-    await asyncio.gather(*(one(s) for s in samples))
+
+async def _call(reward_fn: Callable, arg: Any) -> Any:
+    """``reward_fn(arg)``, awaited if it returns an awaitable, under the reward's time limit."""
+    timeout_s = time_limit(reward_fn)
+
+    async def call() -> Any:
+        in_thread = timeout_s is not None and not _is_async(reward_fn)
+        value = await _in_daemon_thread(reward_fn, arg) if in_thread else reward_fn(arg)
+        return await value if inspect.isawaitable(value) else value
+
+    return await within(timeout_s, call())
+
+
+async def _in_daemon_thread(fn: Callable, arg: Any) -> Any:
+    """``fn(arg)`` in a new daemon thread; when the caller stops waiting, the thread runs on unwatched."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if done.done():  # the caller gave up waiting
+            return
+        if error is None:
+            done.set_result(value)
+        else:
+            done.set_exception(error)
+
+    def work() -> None:
+        try:
+            outcome = (fn(arg), None)
+        except BaseException as exc:  # noqa: BLE001 - handed over to the waiting caller
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the event loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name="miles-reward", daemon=True).start()
+    return await done

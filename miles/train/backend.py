@@ -22,7 +22,10 @@ class TrainBackend(Protocol):
     config node's arguments (the shared :class:`miles.train.options.TrainOptions` plus its own);
     the loop then calls these methods. ``miles.testing.BackendConformance`` checks the contract.
     A backend whose workers are Ray actors sets the class attribute ``uses_ray = True``, and the
-    runner starts (or joins) the configured Ray cluster before building it.
+    runner starts (or joins) the configured Ray cluster before building it; its ``ray_cpus`` (the
+    logical CPUs its workers reserve) is checked against ``cluster.num_cpus`` before the run starts.
+    The constructor only checks its arguments (``miles config`` builds it to run those checks); work
+    starts in ``setup``.
     """
 
     def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,

@@ -50,6 +50,11 @@ class FSDP2Backend:
 
     # -- placement -----------------------------------------------------------------------------------
 
+    @property
+    def ray_cpus(self) -> float:
+        """Logical CPUs the workers reserve on Ray (checked against ``cluster.num_cpus`` before a run starts)."""
+        return self.world_size * self.cpus_per_worker
+
     def _resources(self, ray: Any) -> dict[str, float]:
         gpus = ray.cluster_resources().get("GPU", 0)
         on_gpu = self.options.device == "cuda" or (self.options.device == "auto" and gpus > 0)

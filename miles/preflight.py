@@ -1,0 +1,228 @@
+"""Every check a run can make before it trains, made before anything under ``run.dir`` changes.
+
+:func:`preflight` reads and checks the run directory, the data, the model, the checkpoint to resume
+from and the resources; what it has to build (generated data, a model built from the config) goes to
+a staging folder outside the run directory. ``miles config`` runs it too, so the two commands agree.
+Only :meth:`Staged.commit`, called once every check has passed, writes into ``run.dir``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from miles.checkpoint import Checkpoint, check_compatible, model_signature, newest_intact_checkpoint
+from miles.config.validate import component_node, split_node
+from miles.errors import ConfigError, DataError
+from miles.models import build_model_dir, load_tokenizer
+from miles.rollout.data_source import Prompt, encode_rows, read_rows
+
+__all__ = ["Staged", "preflight", "ray_cpus_needed"]
+
+
+@dataclass
+class Staged:
+    """What the checks found and built; nothing of it is in ``run_dir`` before :meth:`commit`."""
+
+    run_dir: Path
+    staging: Path
+    model_path: str  # the model the run starts from (staged when built from the config)
+    tokenizer: Any
+    train_prompts: list[Prompt]
+    eval_prompts: list[Prompt]
+    resume_from: Checkpoint | None
+    ray_num_cpus: int | None  # CPUs for a local Ray instance, when the run uses Ray
+    data_stats: dict[str, int] = field(default_factory=dict)
+    _staged_model: bool = False
+
+    def commit(self, overwrite: bool) -> None:
+        """Lay out the run directory: clear it (``run.overwrite``), move staged data and model in."""
+        if overwrite and self.run_dir.is_dir():
+            for entry in self.run_dir.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        staged_data = self.staging / "data"
+        if staged_data.is_dir():
+            (self.run_dir / "data").mkdir(exist_ok=True)
+            for file in staged_data.iterdir():
+                shutil.move(file, self.run_dir / "data" / file.name)
+        if self._staged_model:
+            target = self.run_dir / "init_model"
+            if not (target / "config.json").is_file():  # a resumed run keeps the model it was built with
+                shutil.rmtree(target, ignore_errors=True)
+                shutil.move(self.model_path, target)
+            self.model_path = str(target)
+        self.discard()
+
+    def discard(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _check_run_dir(run_cfg: Any) -> Path:
+    run_dir = Path(run_cfg.dir)
+    if run_cfg.resume and run_cfg.overwrite:
+        raise ConfigError("run.resume and run.overwrite are both true: resume continues the run in run.dir, "
+                          "overwrite deletes it; choose one")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run.dir {str(run_dir)!r} is a file; expected a directory for the run's outputs")
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not (run_cfg.resume or run_cfg.overwrite):
+        raise ConfigError(
+            f"run.dir {str(run_dir)!r} already holds a run. Continue it with run.resume=true, or start a new "
+            f"one in another directory (run.dir=...), or replace it with run.overwrite=true")
+    return run_dir
+
+
+def _trial_backends(p: Any) -> Any:
+    """Build the backend nodes (cheap: no model is loaded) so that their option checks run now."""
+    backend = p.build("backend", "backend")
+    if p.config.sft.steps > 0:
+        node = {**component_node(p.config.backend), "lr": float(p.config.sft.lr)}
+        p.registry.build("backend", node, "backend (with sft.lr)")
+    return backend
+
+
+def _stage_data(p: Any, staging: Path) -> tuple[str, str | None]:
+    cfg = p.config.data
+    if cfg.generator is None:
+        return cfg.train_path, cfg.eval_path
+    import json
+
+    splits = p.build("data_generator", "data.generator")(int(p.config.run.seed))
+    if "train" not in splits:
+        raise DataError(f"data generator {cfg.generator.name!r} returned no 'train' split (got {', '.join(splits)})")
+    (staging / "data").mkdir()
+    paths = {}
+    for split, rows in splits.items():
+        paths[split] = staging / "data" / f"{split}.jsonl"
+        paths[split].write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(cfg.train_path or paths["train"]), str(cfg.eval_path or paths.get("eval") or "") or None
+
+
+def _stage_model(p: Any, staging: Path) -> tuple[str, bool]:
+    path = p.config.model.path
+    if path is not None:
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"model.path {path!r} is not an HF model directory (no config.json there)")
+        return str(path), False
+    out = build_model_dir(p.config.model.build, p.config.model.tokenizer, staging / "init_model", int(p.config.run.seed))
+    return str(out), True
+
+
+def _fit_context(prompts: list[Prompt], path: str, room: int, context: int, policy: str) -> tuple[list[Prompt], int]:
+    """Prompts that leave ``room`` new tokens in the context; the others refused or dropped."""
+    fits = [q for q in prompts if len(q.prompt_ids) + room <= context]
+    over = len(prompts) - len(fits)
+    if over and policy == "error":
+        longest = max(prompts, key=lambda q: len(q.prompt_ids))
+        raise DataError(
+            f"data file {path!r}: {over} of {len(prompts)} prompt(s) leave no room for "
+            f"rollout.sampling.max_new_tokens={room} in the model's context of {context} tokens (the longest, row "
+            f"{longest.index + 1}, has {len(longest.prompt_ids)} tokens; at most {context - room} fit). "
+            f"Shorten them, lower max_new_tokens, or drop them with data.overlong_prompts=drop")
+    if over and not fits:
+        raise DataError(f"data file {path!r}: every prompt is longer than the context allows "
+                        f"({context} tokens less max_new_tokens={room}); nothing is left to train on")
+    return fits, over
+
+
+def _context_length(model_path: str) -> int:
+    import json
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or config.get("n_positions") or 2**31)
+
+
+def ray_cpus_needed(config: Any, backend: Any) -> float:
+    """Logical CPUs that the engine actors and the training actors reserve on Ray (0: Ray is not used)."""
+    _, extra = split_node(config.rollout.engine, "rollout.engine")
+    engines = extra.get("num_engines", 0)
+    if getattr(backend, "uses_ray", False):
+        train = float(getattr(backend, "ray_cpus", config.cluster.train_cpus))
+    else:
+        train = config.cluster.train_cpus if engines > 0 else 0.0
+    return engines * config.cluster.cpus_per_engine + train if engines or train else 0.0
+
+
+def _check_cpus(config: Any, backend: Any) -> int | None:
+    """The CPU count for a local Ray instance; refuse an explicit one that cannot place the run."""
+    need = ray_cpus_needed(config, backend)
+    if need == 0 or config.cluster.address:  # no Ray, or a cluster whose size is known only once joined
+        return None
+    cluster = config.cluster
+    if cluster.num_cpus is None:  # logical CPUs: processes share the cores when there are fewer
+        return max(os.cpu_count() or 1, math.ceil(need))
+    if cluster.num_cpus < need:
+        _, extra = split_node(config.rollout.engine, "rollout.engine")
+        engines = extra.get("num_engines", 0)
+        train = need - engines * cluster.cpus_per_engine
+        raise ConfigError(
+            f"cluster.num_cpus={cluster.num_cpus} cannot place this run: {engines} engine(s) x "
+            f"cluster.cpus_per_engine={cluster.cpus_per_engine} + {train:g} for training (cluster.train_cpus, or the "
+            f"backend's workers) = {need:g} CPUs. Raise cluster.num_cpus to {math.ceil(need)} (or leave it unset), "
+            f"or lower rollout.engine.num_engines, cluster.cpus_per_engine or cluster.train_cpus")
+    return int(cluster.num_cpus)
+
+
+def _resume_checkpoint(run_dir: Path, p: Any, base_model: str, stack: list[dict[str, Any]]) -> Checkpoint | None:
+    found, skipped = newest_intact_checkpoint(run_dir / "checkpoints")
+    for problem in skipped:
+        print(f"run.resume: skipping damaged checkpoint {problem}", file=sys.stderr)
+    if found is None:
+        if skipped:
+            raise DataError(f"run.resume: no intact checkpoint under {run_dir / 'checkpoints'} ("
+                            + "; ".join(skipped) + "). Start a new run, or run.overwrite=true to replace this one")
+        print(f"run.resume: no checkpoint under {run_dir / 'checkpoints'}; starting from step 0", file=sys.stderr)
+        return None
+    check_compatible(found, model=model_signature(base_model), backend=p.config.backend.name, plugins=stack)
+    if not Path(found.state["start_model"], "config.json").is_file():
+        raise DataError(f"run.resume: checkpoint {found.path} continues from {found.state['start_model']}, "
+                        f"which no longer exists")
+    return found
+
+
+def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
+    """Check everything that can be checked without training; build what must be built, outside run.dir."""
+    config, run_cfg = p.config, p.config.run
+    run_dir = _check_run_dir(run_cfg)
+    backend = _trial_backends(p)
+    ray_num_cpus = _check_cpus(config, backend)
+    staging = Path(tempfile.mkdtemp(prefix="miles-staging-"))
+    try:
+        train_path, eval_path = _stage_data(p, staging)
+        model_path, staged_model = _stage_model(p, staging)
+        tokenizer = load_tokenizer(model_path)
+        data_cfg = config.data
+        encode = dict(prompt_key=data_cfg.prompt_key, chat_template=data_cfg.chat_template)
+        label_key = data_cfg.label_key if config.sft.steps > 0 else None  # SFT needs labels; RL rewards may not
+        train_prompts = encode_rows(read_rows(train_path, data_cfg.prompt_key, label_key), tokenizer,
+                                    label_key=data_cfg.label_key, **encode)
+        context, room = _context_length(model_path), int(config.rollout.sampling.max_new_tokens)
+        policy = data_cfg.overlong_prompts
+        train_prompts, dropped = _fit_context(train_prompts, train_path, room, context, policy)
+        eval_prompts: list[Prompt] = []
+        dropped_eval = 0
+        if eval_path and run_cfg.eval_size > 0 and run_cfg.steps > 0:
+            rows = read_rows(eval_path, data_cfg.prompt_key, None)[: run_cfg.eval_size]
+            eval_prompts = encode_rows(rows, tokenizer, label_key=data_cfg.label_key, **encode)
+            eval_prompts, dropped_eval = _fit_context(eval_prompts, eval_path, room, context, policy)
+        for count, path in ((dropped, train_path), (dropped_eval, eval_path)):
+            if count:
+                print(f"data: dropped {count} prompt(s) of {path} longer than the context of {context} tokens less "
+                      f"max_new_tokens={room} (data.overlong_prompts=drop)", file=sys.stderr)
+        resume_from = _resume_checkpoint(run_dir, p, model_path, stack) if run_cfg.resume else None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Staged(run_dir, staging, model_path, tokenizer, train_prompts, eval_prompts, resume_from, ray_num_cpus,
+                  {"data/dropped_prompts": dropped, "data/dropped_eval_prompts": dropped_eval}, staged_model)

@@ -121,6 +121,10 @@ def miles_register_weight_transports(register: Register) -> None:
     ``push(backend, plane, version) -> int`` sends the backend's current weights, tagged with the
     policy version, to every engine of the rollout plane and returns the bytes moved, and whose
     ``async catch_up(plane, engine)`` brings a re-admitted engine to the last pushed weights.
+    ``push`` records what it sends before posting, and posts to the engines in service through
+    ``plane.router.post_all`` (an engine that fails is quarantined, the push completes on the others);
+    ``catch_up`` repeats until the engine holds the last recorded version, so an engine re-admitted
+    while a push was under way does not stay behind.
     """
 
 

@@ -112,11 +112,14 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     metrics["time/train_s"] = train_s
     metrics["time/weight_sync_s"] = sync_s
     metrics["weight_version"] = c.plane.weight_version
-    if c.plane.router is not None:
+    if c.plane.router is not None:  # what happened to the engines since the last step's metrics
+        if (error := c.plane.router.no_engine_left()) is not None:  # even if run.max_failed_frac let the step pass
+            raise error
         stats, seen = c.plane.router.stats, c.router_stats_seen
-        for key in ("engine_failures", "retries"):
+        for key in ("engine_failures", "retries", "readmissions"):
             metrics[f"rollout/{key}"] = stats[key] - seen.get(key, 0)
             seen[key] = stats[key]
+        metrics["rollout/engines_in_service"] = len(c.plane.router.healthy)
     metrics["time/step_s"] = time.perf_counter() - start
     return metrics
 

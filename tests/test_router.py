@@ -1,6 +1,12 @@
-"""The router in front of real engine processes on 127.0.0.1."""
+"""The router in front of real engine processes on 127.0.0.1.
+
+An engine is SIGKILLed at each moment where it can fail (a request, a weight push, its catch-up, an
+abort, a pause, a health check). The moment is held deterministically: a gated engine (this file run
+as a script) leaves requests to one path unanswered and says so on stdout, and the test kills it then.
+"""
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import socket
@@ -12,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from miles.rollout.router import EngineRequestError, NoHealthyEngine, Router
+from miles.rollout.router import EngineGone, EngineRequestError, NoHealthyEngine, Router
 
 
 def free_port() -> int:
@@ -39,7 +45,7 @@ def start_engine(model_dir, port):
 @pytest.fixture
 def engines(tiny_model_dir):
     ports = [free_port(), free_port()]
-    procs = [start_engine(tiny_model_dir, p) for p in ports]
+    procs = [serving(p) for p in [spawn_gated_engine(tiny_model_dir, port) for port in ports]]  # both start at once
     yield ports, procs
     for p in procs:
         p.kill()
@@ -151,3 +157,305 @@ def test_standalone_router_serves_one_address(engines):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+# -- an engine killed at every moment ---------------------------------------------------------------
+
+
+def spawn_gated_engine(model_dir, port, hold=""):
+    """A real engine that leaves every request to ``hold`` unanswered (until POST /test_release) and
+    prints "held PATH" for each; it prints "ready" once it serves."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, __file__, str(model_dir), str(port), hold], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def serving(proc):
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _serve_gated(model_dir, port, hold):
+    from aiohttp import web
+
+    from miles.engine.local import LocalEngine
+    from miles.engine.server import build_app
+
+    async def main():
+        released = asyncio.Event()
+
+        @web.middleware
+        async def gate(request, handler):
+            if request.path == hold and not released.is_set():
+                print("held", request.path, flush=True)
+                await released.wait()
+            return await handler(request)
+
+        async def release(request):
+            released.set()
+            return web.json_response({"success": True})
+
+        engine = LocalEngine(background=True)
+        engine.load_model(model_dir)
+        app = build_app(engine)
+        app.middlewares.append(gate)
+        app.router.add_post("/test_release", release)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", int(port)).start()
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir):
+    from miles.train.torch_backend import TorchBackend
+
+    backend = TorchBackend()
+    backend.setup(str(tiny_model_dir), seed=0)
+    return backend
+
+
+class Rig:
+    """Engine 0 (the victim, gated at ``hold`` if given) and engine 1 behind a router on a rollout
+    plane; a real backend's weights reach them through a weight transport (tensor unless given), which
+    also catches up an engine that comes back."""
+
+    def __init__(self, model_dir, backend, hold="", transport=None):
+        from miles.rollout.plane import RolloutPlane
+        from miles.train.weight_sync import TensorTransport
+
+        self.model_dir, self.backend = model_dir, backend
+        self.ports = [free_port(), free_port()]
+        spawned = [spawn_gated_engine(model_dir, self.ports[0], hold), spawn_gated_engine(model_dir, self.ports[1])]
+        self.procs = [serving(p) for p in spawned]  # both start at once
+        self.router = Router([f"http://127.0.0.1:{p}" for p in self.ports], health_interval_s=0.2)
+        self.plane = RolloutPlane(router=self.router)
+        self.transport = transport or TensorTransport()
+        self.router.on_readmit = lambda engine: self.transport.catch_up(self.plane, engine)
+        self.version = 0
+        self.background = concurrent.futures.ThreadPoolExecutor(1)
+
+    def push(self):
+        self.version += 1
+        self.transport.push(self.backend, self.plane, self.version)
+
+    def soon(self, fn, *args):
+        """Run ``fn`` in a thread: the test holds a moment open meanwhile."""
+        return self.background.submit(fn, *args)
+
+    def held(self, path):
+        assert self.procs[0].stdout.readline().split() == ["held", path]
+
+    def kill(self, i=0):
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait()
+
+    def restart(self, hold=""):
+        self.procs[0] = serving(spawn_gated_engine(self.model_dir, self.ports[0], hold))
+
+    def wait_until(self, condition):
+        for _ in range(2400):
+            if condition():
+                return
+            time.sleep(0.05)
+        pytest.fail(f"never happened; router stats {self.router.stats}, engines {self.router.engines}")
+
+    def generate(self, count=8):
+        async def burst():
+            params = {"max_new_tokens": 3, "ignore_eos": True}
+            return await asyncio.gather(*(self.router.generate([4, 13, 5, 14], params) for _ in range(count)))
+
+        return self.plane.run(burst())
+
+    def back_and_caught_up(self):
+        """Engine 0 returns; it serves again only once it holds the last pushed weights."""
+        victim = self.router.engines[0]
+        self.wait_until(lambda: not victim.quarantined)
+        served = victim.served
+        answers = self.generate()
+        assert {a["meta_info"]["weight_version"] for a in answers} == {self.version}
+        assert victim.served > served and victim.weight_version == self.version
+
+    def close(self):
+        self.background.shutdown()
+        self.plane.close()
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def rig(tiny_model_dir, backend):
+    rigs = []
+
+    def make(hold="", transport=None):
+        rigs.append(Rig(tiny_model_dir, backend, hold, transport))
+        return rigs[-1]
+
+    yield make
+    for r in rigs:
+        r.close()
+
+
+def test_engine_killed_during_generate(rig):
+    r = rig("/generate")
+    r.plane.run(r.router.wait_healthy())
+    r.push()
+    answers = r.soon(r.generate)
+    r.held("/generate")
+    r.kill()
+    assert {a["meta_info"]["weight_version"] for a in answers.result()} == {1}  # every request answered, by engine 1
+    assert r.router.engines[0].quarantined and r.router.stats["retries"] >= 1
+    r.restart()
+    r.back_and_caught_up()
+    assert r.router.stats["engine_failures"] == 1 and r.router.stats["readmissions"] == 1
+
+
+@pytest.mark.parametrize("name", ["tensor", "disk", "distributed"])
+def test_engine_killed_during_a_weight_push(rig, tmp_path, name):
+    from miles.train.weight_sync import DiskTransport, DistributedTransport, TensorTransport
+
+    transport = {"tensor": TensorTransport, "disk": lambda: DiskTransport(dir=str(tmp_path / "w")),
+                 "distributed": lambda: DistributedTransport(timeout_s=60)}[name]()
+    path = {"tensor": "/update_weights_from_tensor", "disk": "/update_weights_from_disk",
+            "distributed": "/update_weights_from_distributed"}[name]
+    r = rig(path, transport)
+    r.plane.run(r.router.wait_healthy())
+    pushed = r.soon(r.push)
+    r.held(path)
+    r.kill()
+    pushed.result()  # the push went on with engine 1
+    assert r.router.engines[0].quarantined and r.router.engines[1].weight_version == 1
+    assert {a["meta_info"]["weight_version"] for a in r.generate()} == {1}
+    r.restart()
+    r.back_and_caught_up()
+    r.push()  # both again (a distributed transport forms a new group with the restarted engine)
+    assert [e.weight_version for e in r.router.engines] == [2, 2]
+    assert r.router.stats["engine_failures"] == 1
+
+
+def test_engine_killed_during_its_catch_up_stays_out_and_is_caught_up_later(rig):
+    r = rig()
+    r.plane.run(r.router.wait_healthy())
+    r.push()
+    r.kill()
+    r.push()  # engine 0 fails this push: quarantined
+    assert r.router.engines[0].quarantined and r.router.stats["engine_failures"] == 1
+    r.restart(hold="/update_weights_from_tensor")
+    r.held("/update_weights_from_tensor")  # its catch-up is in flight
+    r.kill()
+    r.wait_until(lambda: r.router.stats["engine_failures"] == 2)  # a second death, counted once
+    assert r.router.engines[0].quarantined
+    r.restart()
+    r.back_and_caught_up()
+    assert r.router.stats["engine_failures"] == 2 and r.router.stats["readmissions"] == 1
+
+
+def test_a_push_that_lands_during_a_catch_up_reaches_the_engine(rig):
+    r = rig()
+    r.plane.run(r.router.wait_healthy())
+    r.push()
+    r.kill()
+    r.push()
+    r.restart(hold="/update_weights_from_tensor")
+    r.held("/update_weights_from_tensor")  # catching up to version 2
+    r.push()  # version 3 reaches engine 1 only: engine 0 is not in service yet
+    assert r.router.engines[0].quarantined and r.router.engines[1].weight_version == 3
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{r.ports[0]}/test_release", data=b""), timeout=10)
+    r.back_and_caught_up()  # version 3, not the 2 its catch-up started with
+    assert r.router.stats["engine_failures"] == 1
+
+
+def test_engine_killed_during_an_abort(rig):
+    r = rig("/abort_request")
+    r.plane.run(r.router.wait_healthy())
+    r.push()
+    aborted = r.soon(r.plane.run, r.router.abort())
+    r.held("/abort_request")
+    r.kill()
+    assert aborted.result() == 0  # engine 1 answered; nothing was in flight
+    assert r.router.engines[0].quarantined
+    r.restart()
+    r.back_and_caught_up()
+    assert r.router.stats["engine_failures"] == 1
+
+
+def test_engine_killed_during_a_pause_comes_back_paused(rig):
+    r = rig("/pause_generation")
+    r.plane.run(r.router.wait_healthy())
+    r.push()
+    paused = r.soon(r.plane.run, r.router.pause())
+    r.held("/pause_generation")
+    r.kill()
+    paused.result()
+    assert r.router.engines[0].quarantined
+    r.restart()
+    victim = r.router.engines[0]
+    r.wait_until(lambda: not victim.quarantined)
+
+    async def probe():
+        """A request on the paused engine stays in flight with nothing generated until aborted."""
+        request = asyncio.ensure_future(r.router.post(victim, "/generate", {
+            "input_ids": [4, 13], "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}))
+        while (await r.router.post(victim, "/abort_request", {"abort_all": True}))["aborted"] == 0:
+            await asyncio.sleep(0.01)
+        return await request
+
+    answer = r.plane.run(probe())
+    assert answer["meta_info"]["finish_reason"]["type"] == "abort" and answer["output_ids"] == []
+    r.plane.run(r.router.resume())
+    r.back_and_caught_up()
+    assert r.router.stats["engine_failures"] == 1
+
+
+def test_engine_killed_at_a_health_check(rig):
+    r = rig("/health")  # its first health check is held (no request goes to it meanwhile)
+    r.held("/health")
+    r.kill()
+    r.wait_until(lambda: r.router.engines[0].quarantined)  # after max_failures failed checks
+    r.push()
+    assert r.router.engines[1].weight_version == 1
+    assert {a["meta_info"]["weight_version"] for a in r.generate()} == {1}
+    r.restart()
+    r.back_and_caught_up()
+    assert r.router.stats["engine_failures"] == 1
+
+
+def test_no_engine_left_fails_at_once_naming_the_engines(engines):
+    ports, procs = engines
+
+    def resolver(proc, url):
+        async def resolve():
+            if proc.poll() is not None:
+                raise EngineGone("its process exited")
+            return url
+
+        return resolve
+
+    async def go():
+        router = Router([f"http://127.0.0.1:{p}" for p in ports], health_interval_s=0.2)
+        for endpoint, proc in zip(router.engines, procs):
+            endpoint.resolve = resolver(proc, endpoint.url)
+        async with router:
+            await router.wait_healthy()
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            with pytest.raises(NoHealthyEngine) as err:
+                await router.generate([4, 13], {"max_new_tokens": 2})
+            with pytest.raises(NoHealthyEngine, match="no engine left"):
+                await router.post_all("/flush_cache", {})
+            return str(err.value), dict(router.stats)
+
+    message, stats = asyncio.run(go())
+    assert message.startswith("no engine left: all 2 failed and none can come back")
+    for port in ports:
+        assert f"(http://127.0.0.1:{port}) cannot restart, last error: " in message
+    assert stats["engine_failures"] == 2
+
+
+if __name__ == "__main__":
+    _serve_gated(*sys.argv[1:4])

@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt
+from miles.rollout.router import NoEngineLeft
 from miles.types import Group, Sample, SampleStatus
 
 __all__ = [
@@ -73,6 +74,8 @@ def make_groups(prompts: list[Prompt], n_samples: int, first_group_index: int = 
 async def run_one(rollout_fn: Callable, sample: Sample, ctx: RolloutContext) -> None:
     try:
         result = await within(time_limit(rollout_fn), rollout_fn(sample, ctx))
+    except NoEngineLeft:  # not this sample's failure: the run cannot go on
+        raise
     except Exception as exc:  # one sample fails, the step goes on
         sample.fail(failure_reason("rollout", exc))
         return

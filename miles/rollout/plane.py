@@ -77,13 +77,9 @@ class RolloutPlane:
 
     def post_all(self, path: str, body: dict[str, Any] | bytes, timeout_s: float | None = None,
                  params: dict[str, str] | None = None) -> list[Any]:
-        """POST to every engine that is not quarantined (a quarantined one catches up when re-admitted)."""
-        router = self.router
-
-        async def go() -> list[Any]:
-            return await asyncio.gather(*(router.post(e, path, body, timeout_s, params) for e in router.healthy))
-
-        return self.run(go())
+        """POST to every engine in service and return the answers of those that took it; one that fails
+        is quarantined and catches up when it returns (:meth:`Router.post_all`)."""
+        return self.run(self.router.post_all(path, body, timeout_s, params))
 
     def close(self) -> None:
         if self.aio is not None:

@@ -1,4 +1,8 @@
-"""Engines as Ray actors, each serving SGLang's protocol over HTTP, restarted by Ray if they die."""
+"""Engines as Ray actors, each serving SGLang's protocol over HTTP, restarted by Ray if they die.
+
+The router finds a restarted engine through its actor (``resolve``); an actor that Ray will not
+restart (killed with ``no_restart``, or out of restarts) is an engine gone for good.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import threading
 from typing import Any
 
 from miles.errors import RunError
-from miles.rollout.router import Router
+from miles.rollout.router import EngineGone, Router
 
 __all__ = ["EngineActor", "launch_engines", "shutdown_engines"]
 
@@ -81,8 +85,13 @@ def launch_engines(ray: Any, count: int, model_path: str, engine_args: dict[str,
 
 
 def _resolver(actor: Any):
+    from ray.exceptions import ActorDiedError
+
     async def resolve() -> str:
-        return await asyncio.wait_for(actor.address.remote(), timeout=5)
+        try:  # while Ray restarts the actor, the call waits for the new one
+            return await asyncio.wait_for(actor.address.remote(), timeout=5)
+        except ActorDiedError as exc:
+            raise EngineGone("its Ray actor died and will not be restarted") from exc
 
     return resolve
 

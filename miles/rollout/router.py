@@ -1,13 +1,20 @@
 """A router in front of N engines that speak SGLang's protocol.
 
-Least-outstanding-requests routing, periodic health checks, quarantine after repeated failures,
-retry of a failed request on another engine, and re-admission (after an optional catch-up, e.g.
-pushing the current weights) when a quarantined engine answers again.
+Least-outstanding-requests routing, health checks, quarantine of an engine that fails, retry of a
+failed request on another engine, and re-admission after a catch-up (``on_readmit``: the current
+weights pushed) when a quarantined engine answers again.
+
+An engine's failure is one event however it shows (requests it breaks, a failed weight push, abort,
+pause or catch-up, failed health checks): it is counted once in ``stats["engine_failures"]``, until
+the engine answers a health check again. Only when no engine is left, every one quarantined and unable to come
+back (``resolve`` raises :class:`EngineGone`), does a request or a post to all raise
+:class:`NoHealthyEngine`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,27 +24,42 @@ import aiohttp
 
 from miles.errors import RunError
 
-__all__ = ["EngineEndpoint", "Router", "EngineRequestError", "NoHealthyEngine"]
+__all__ = ["EngineEndpoint", "Router", "EngineRequestError", "EngineGone", "NoHealthyEngine", "NoEngineLeft"]
+
+log = logging.getLogger(__name__)
 
 
 class EngineRequestError(ValueError):
     """The engine refused the request (HTTP 400): the request is wrong, retrying will not help."""
 
 
+class EngineGone(Exception):
+    """Raised by an endpoint's ``resolve`` when the engine cannot come back (e.g. its Ray actor died for good)."""
+
+
 class NoHealthyEngine(RunError):
     pass
+
+
+class NoEngineLeft(NoHealthyEngine):
+    """Every engine failed and none can come back: the run cannot go on (not one sample's failure)."""
 
 
 @dataclass(eq=False)
 class EngineEndpoint:
     url: str
     outstanding: int = 0
-    failures: int = 0  # consecutive
-    quarantined: bool = False
+    served: int = 0
+    failures: int = 0  # consecutive failed health checks
+    quarantined: bool = False  # not given requests: failed, or back but not yet caught up
+    down: bool = False  # failed, and has not answered a health check since
+    gone: bool = False  # cannot come back
+    incarnation: int = 0  # bumped each time a failed engine answers again: later errors from before are not its own
+    last_error: str = ""
     weight_version: int = -1
     resolve: Callable[[], Awaitable[str]] | None = None  # a fresh URL after a restart (Ray actors)
-    served: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # one health check at a time
 
 
 class Router:
@@ -52,8 +74,9 @@ class Router:
         self.on_readmit = on_readmit
         self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.stats = {"engine_failures": 0, "retries": 0, "readmissions": 0}
+        self.paused = False  # a re-admitted engine is paused too
         self._session: aiohttp.ClientSession | None = None
-        self._health_task: asyncio.Task | None = None
+        self._health_tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -61,15 +84,15 @@ class Router:
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
         self._changed = asyncio.Event()
-        self._health_task = asyncio.create_task(self._health_loop())
+        self._health_tasks = [asyncio.create_task(self._watch(e)) for e in self.engines]
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
+        for task in self._health_tasks:
+            task.cancel()
+        await asyncio.gather(*self._health_tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
-        self._session = self._health_task = None
+        self._session, self._health_tasks = None, []
 
     async def __aenter__(self) -> "Router":
         await self.start()
@@ -80,7 +103,11 @@ class Router:
 
     @property
     def healthy(self) -> list[EngineEndpoint]:
+        """The engines in service."""
         return [e for e in self.engines if not e.quarantined]
+
+    def name(self, engine: EngineEndpoint) -> str:
+        return f"engine {self.engines.index(engine)} ({engine.url})"
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -102,14 +129,51 @@ class Router:
                 engine.weight_version = payload["weight_version"]  # weight updates answer with the new version
             return payload
 
+    async def post_all(self, path: str, body: dict[str, Any] | bytes, timeout_s: float | None = None,
+                       params: dict[str, str] | None = None, engines: list[EngineEndpoint] | None = None) -> list[Any]:
+        """POST to every engine in service (or to ``engines``); returns the answers of those that took it.
+        One that fails is quarantined (and catches up when it returns); a refusal (HTTP 400) raises."""
+        if (error := self.no_engine_left()) is not None:
+            raise error
+
+        async def one(engine: EngineEndpoint) -> Any:
+            incarnation = engine.incarnation
+            try:
+                return await self.post(engine, path, body, timeout_s, params)
+            except EngineRequestError:
+                raise
+            except Exception as exc:  # connection refused or reset, timeout, HTTP 5xx
+                self._fail(engine, exc, incarnation)
+                return None
+
+        answers = await asyncio.gather(*(one(e) for e in (self.healthy if engines is None else engines)))
+        return [a for a in answers if a is not None]
+
+    async def abort(self) -> int:
+        """Abort every request in flight on every engine in service (they answer with what they have)."""
+        answers = await self.post_all("/abort_request", {"abort_all": True})
+        return sum(a.get("aborted", 0) for a in answers if isinstance(a, dict))
+
+    async def pause(self) -> None:
+        """Hold generation on every engine in service (requests stay in flight), and on any re-admitted later."""
+        self.paused = True
+        await self.post_all("/pause_generation", {})
+
+    async def resume(self) -> None:
+        self.paused = False
+        await self.post_all("/continue_generation", {})
+
     def _pick(self) -> EngineEndpoint | None:
         healthy = self.healthy
         return min(healthy, key=lambda e: (e.outstanding, e.served)) if healthy else None
 
     async def _wait_for_engine(self, deadline: float) -> EngineEndpoint:
         while (engine := self._pick()) is None:
+            if (error := self.no_engine_left()) is not None:
+                raise error
             if time.monotonic() > deadline:
-                raise NoHealthyEngine(f"no healthy engine among {len(self.engines)} within {self.request_timeout_s} s")
+                raise NoHealthyEngine(f"no engine came back into service within {self.request_timeout_s} s "
+                                      f"(cluster.router.request_timeout_s): {self._describe()}")
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(1.0, max(0.01, deadline - time.monotonic())))
@@ -127,6 +191,7 @@ class Router:
         last_error: Exception | None = None
         for attempt in range(self.max_retries + 1):
             engine = await self._wait_for_engine(deadline)
+            incarnation = engine.incarnation
             engine.outstanding += 1
             try:
                 answer = await self.post(engine, "/generate", body)
@@ -134,65 +199,99 @@ class Router:
                 raise
             except Exception as exc:  # connection refused or reset, engine died mid-request
                 last_error = exc
-                self._mark_failed(engine, exc)
+                self._fail(engine, exc, incarnation)
                 if attempt < self.max_retries:
                     self.stats["retries"] += 1
                 continue
             finally:
                 engine.outstanding -= 1
             engine.served += 1
-            engine.failures = 0
             engine.weight_version = answer["meta_info"].get("weight_version", engine.weight_version)
             return answer
-        raise NoHealthyEngine(f"request failed on {self.max_retries + 1} attempts; last error: {last_error}")
+        raise NoHealthyEngine(f"request failed on {self.max_retries + 1} attempts (cluster.router.max_retries); "
+                              f"last error: {type(last_error).__name__}: {last_error}")
 
-    def _mark_failed(self, engine: EngineEndpoint, error: Exception) -> None:
-        engine.failures += 1
-        if not engine.quarantined:
-            # A request that breaks mid-flight is strong evidence: quarantine at once, let health checks re-admit.
-            engine.quarantined = True
-            engine.meta["last_error"] = f"{type(error).__name__}: {error}"
-            self.stats["engine_failures"] += 1
-            self._changed.set()
+    # -- failures -----------------------------------------------------------------------------------
+
+    def _fail(self, engine: EngineEndpoint, error: Exception, incarnation: int | None = None) -> None:
+        """Quarantine ``engine``; counted once until it answers again. An error from an earlier
+        incarnation (a request sent before the engine failed and came back) is not its own."""
+        if engine.down or (incarnation is not None and incarnation != engine.incarnation):
+            return
+        engine.down = engine.quarantined = True
+        engine.last_error = f"{type(error).__name__}: {error}"
+        self.stats["engine_failures"] += 1
+        log.warning("miles: %s failed and is quarantined: %s", self.name(engine), engine.last_error)
+        self._changed.set()
+
+    def _describe(self) -> str:
+        return "; ".join(f"{self.name(e)}{' cannot restart' if e.gone else ''}, last error: {e.last_error or 'none'}"
+                         for e in self.engines)
+
+    def no_engine_left(self) -> NoEngineLeft | None:
+        """The error to raise when every engine is gone for good, else None."""
+        if all(e.gone for e in self.engines):
+            return NoEngineLeft(f"no engine left: all {len(self.engines)} failed and none can come back. "
+                                   f"{self._describe()}")
+        return None
 
     # -- health -------------------------------------------------------------------------------------
 
     async def check(self, engine: EngineEndpoint) -> bool:
-        try:
-            if engine.quarantined and engine.resolve is not None:
-                engine.url = (await engine.resolve()).rstrip("/")
-            async with self._session.get(engine.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                ok = resp.status == 200
-                if ok:
+        """One health check. An engine in service that fails ``max_failures`` in a row is quarantined; a
+        quarantined one that answers again (its address re-resolved after a restart) is caught up
+        (``on_readmit``) before it serves. Returns whether the engine is in service."""
+        async with engine.lock:
+            if engine.gone:
+                return False
+            try:
+                if engine.down and engine.resolve is not None:
+                    engine.url = (await engine.resolve()).rstrip("/")
+                async with self._session.get(engine.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"/health answered HTTP {resp.status}")
                     engine.weight_version = (await resp.json()).get("weight_version", engine.weight_version)
-        except Exception:
-            ok = False
-        if not ok:
-            engine.failures += 1
-            if engine.failures >= self.max_failures and not engine.quarantined:
-                engine.quarantined = True
-                self.stats["engine_failures"] += 1
+            except EngineGone as exc:  # only a failed engine is looked up again: it is quarantined already
+                engine.gone = True
+                log.warning("miles: %s cannot come back: %s", self.name(engine), exc)
                 self._changed.set()
-            return False
-        engine.failures = 0
-        if engine.quarantined:
+                return False
+            except Exception as exc:
+                engine.failures += 1
+                if engine.failures >= self.max_failures:
+                    self._fail(engine, exc)
+                return False
+            engine.failures = 0
+            if engine.down:
+                engine.down = False
+                engine.incarnation += 1
+            return not engine.quarantined or await self._readmit(engine)
+
+    async def _readmit(self, engine: EngineEndpoint) -> bool:
+        try:
+            if self.paused:
+                await self.post(engine, "/pause_generation", {})
             if self.on_readmit is not None:
                 await self.on_readmit(engine)
-            engine.quarantined = False
-            self.stats["readmissions"] += 1
-            self._changed.set()
+        except EngineRequestError as exc:  # it refuses the catch-up: stays out, tried again at the next check
+            if engine.last_error != (error := f"catch-up refused: {exc}"):
+                engine.last_error = error
+                log.warning("miles: %s: %s", self.name(engine), error)
+            return False
+        except Exception as exc:  # it failed while catching up: stays out, tried again once it answers
+            self._fail(engine, exc)
+            return False
+        # No await between the end of the catch-up and here: a push cannot slip in between.
+        engine.quarantined = False
+        self.stats["readmissions"] += 1
+        log.warning("miles: %s is back in service at weight version %d", self.name(engine), engine.weight_version)
+        self._changed.set()
         return True
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.gather(*(self.check(e) for e in self.engines), return_exceptions=True)
+    async def _watch(self, engine: EngineEndpoint) -> None:
+        while not engine.gone:
+            await self.check(engine)
             await asyncio.sleep(self.health_interval_s)
-
-    async def abort(self) -> int:
-        """Abort every request in flight on every healthy engine (they answer with what they have)."""
-        answers = await asyncio.gather(*(self.post(e, "/abort_request", {"abort_all": True}) for e in self.healthy),
-                                       return_exceptions=True)
-        return sum(a.get("aborted", 0) for a in answers if isinstance(a, dict))
 
     async def wait_healthy(self, count: int | None = None, timeout_s: float = 60.0) -> None:
         """Wait until ``count`` engines (default all) answer their health check, else raise."""

@@ -185,3 +185,18 @@ def test_all_rewards_hung_stops_the_run_naming_the_timeout(tmp_path, release):
     expected = rf"16 of 16 samples failed .* above run.max_failed_frac=0.5.*reward: {TIMED_OUT}"
     with pytest.raises(RunError, match=expected):
         train(short_run(tmp_path, release, "reward.name=hang_all", "reward.timeout_s=0.5"))
+
+
+def test_ctrl_c_while_a_limited_reward_runs_is_never_lost():
+    """SIGINT arrives while the worker thread hands over the reward: score_samples raises KeyboardInterrupt
+    every time (Python 3.11's asyncio.wait_for would swallow the cancellation and the run would go on)."""
+    import os
+    import signal
+
+    def interrupting(sample):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the reward call
+        return 1.0
+
+    for _ in range(20):
+        with pytest.raises(KeyboardInterrupt):
+            score_samples([make_sample("1", "1")], with_time_limit(interrupting, 5.0))

@@ -89,7 +89,10 @@ async def _score_plain_limited(samples: list[Sample], reward_fn: Callable, timeo
         todo, samples = samples, []
         for i, sample in enumerate(todo):
             try:
-                value, error = await asyncio.wait_for(results.get(), timeout_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation (Ctrl-C in
+                # asyncio.run) that arrives just as the result does, and the run would not stop
+                async with asyncio.timeout(timeout_s):
+                    value, error = await results.get()
             except TimeoutError:
                 abandoned.set()
                 sample.fail(f"reward: timed out after {timeout_s:g} s")

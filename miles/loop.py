@@ -103,7 +103,11 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
         metrics.update(c.backend.train_step(batch, c.loss_fn))
         train_s = time.perf_counter() - train_start
         sync_start = time.perf_counter()
-        c.transport.push(c.backend, c.plane, version=step + 1)
+        try:
+            c.transport.push(c.backend, c.plane, version=step + 1)
+        except ValueError as exc:  # refused by the engines, e.g. NaN weights after a diverged step
+            raise RunError(f"step {step}: the engines refused the new weights (version {step + 1}); they keep "
+                           f"serving version {c.plane.weight_version}. {exc}") from exc
         sync_s = time.perf_counter() - sync_start
         metrics["train/tokens_per_s"] = int(batch.attention_mask.sum()) / train_s
     else:

@@ -63,3 +63,17 @@ def test_arguments_that_only_work_together_exit_2_naming_node_and_keys(miles_cli
     assert result.returncode == 2
     assert "sft.loss: loss 'sft' rejected its arguments: agg=constant needs norm_tokens" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_diverged_run_stops_with_a_clear_error_naming_the_tensors(capsys, tmp_path, monkeypatch):
+    """A loss that turns the weights into NaN: the weight push is refused and the run stops (exit 1), naming
+    what is wrong, instead of serving NaN or ending in a traceback."""
+    (tmp_path / "nan_loss.py").write_text(
+        "def nan_loss(inputs):\n"
+        "    return (inputs.logprobs * inputs.loss_mask).sum() * float('nan'), {}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, err = run_main(capsys, f"run.dir={tmp_path / 'run'}", "loss.name=nan_loss:nan_loss", "backend.max_grad_norm=0")
+    assert code == 1, err
+    assert "step 0: the engines refused the new weights (version 1); they keep serving version 0" in err
+    assert "NaN or inf" in err and "model.embed_tokens.weight" in err
+    assert "Traceback" not in err

@@ -107,7 +107,9 @@ def test_interrupted_run_leaves_no_ray_processes(tmp_path, sig):
     from miles.cluster import RayCluster
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "miles", "train", "configs/quickstart.yaml", f"run.dir={run_dir}",
+    from conftest import MILES_WITH_CTRL_C
+
+    proc = subprocess.Popen([*MILES_WITH_CTRL_C, "train", "configs/quickstart.yaml", f"run.dir={run_dir}",
                              "run.progress=false", "rollout.engine.num_engines=1", "sft.steps=5"],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"

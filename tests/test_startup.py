@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import MILES_WITH_CTRL_C
 
 from miles.checkpoint import newest_intact_checkpoint
 from miles.cli import main
@@ -228,7 +229,7 @@ def test_sigterm_exits_143_and_sigint_130(tmp_path):
     for sig in (signal.SIGTERM, signal.SIGINT):
         (tmp_path / "held").unlink(missing_ok=True)
         gate.unlink(missing_ok=True)
-        proc = subprocess.Popen([sys.executable, "-m", "miles", "train", CONFIG, *SMALL, "reward.name=gated_reward:gated",
+        proc = subprocess.Popen([*MILES_WITH_CTRL_C, "train", CONFIG, *SMALL, "reward.name=gated_reward:gated",
                                  f"run.dir={tmp_path / sig.name}"], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         try:

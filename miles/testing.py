@@ -5,6 +5,7 @@ Use the fixtures with ``pytest_plugins = ["miles.testing"]`` in a ``conftest.py`
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +23,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackendConformance", "build_tiny_model", "make_registry", "make_sample", "make_train_batch", "tiny_model_dir",
-    "miles_registry",
+    "miles_registry", "MILES_WITH_CTRL_C",
 ]
+
+# The `miles` command line, to run with subprocess, with Ctrl-C restored: a shell without job control starts
+# background commands with SIGINT ignored and a child inherits that, so a test that sends SIGINT uses this.
+MILES_WITH_CTRL_C = [sys.executable, "-c", "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                     "runpy.run_module('miles', run_name='__main__')"]
 
 ADDITION_ALPHABET = "0123456789+="
 

@@ -16,12 +16,6 @@ pytest_plugins = ["miles.testing"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# `python -m miles` with Ctrl-C restored: a shell without job control starts background commands with SIGINT
-# ignored, and a child inherits that; tests that send SIGINT use this so that they do not depend on how they were run.
-MILES_WITH_CTRL_C = [sys.executable, "-c", "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                     "runpy.run_module('miles', run_name='__main__')"]
-
-
 def run_miles(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the ``miles`` command line in a fresh process, as a user would."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}

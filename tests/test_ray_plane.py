@@ -107,7 +107,7 @@ def test_interrupted_run_leaves_no_ray_processes(tmp_path, sig):
     from miles.cluster import RayCluster
 
     run_dir = tmp_path / "run"
-    from conftest import MILES_WITH_CTRL_C
+    from miles.testing import MILES_WITH_CTRL_C
 
     proc = subprocess.Popen([*MILES_WITH_CTRL_C, "train", "configs/quickstart.yaml", f"run.dir={run_dir}",
                              "run.progress=false", "rollout.engine.num_engines=1", "sft.steps=5"],

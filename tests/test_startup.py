@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MILES_WITH_CTRL_C
+from miles.testing import MILES_WITH_CTRL_C
 
 from miles.checkpoint import newest_intact_checkpoint
 from miles.cli import main

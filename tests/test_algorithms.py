@@ -226,3 +226,43 @@ def test_arguments_that_only_work_together_are_refused_at_validation(overrides, 
 def test_arguments_that_work_together_are_accepted():
     prepare("configs/quickstart.yaml", ["sft.loss.agg=constant", "sft.loss.norm_tokens=8", "advantage.eps=0",
                                         "advantage.normalize_std=false", "loss.clip_c=3", "loss.agg=constant"])
+
+
+def multi_turn_batch(rewards):
+    """Two turns with a tool observation between them: response loss mask [1, 1, 0, 0, 1, 1]."""
+    samples = [
+        Sample(prompt_ids=[5, 6], group_index=0, response_ids=[7] * 6, loss_mask=[1, 1, 0, 0, 1, 1],
+               rollout_logprobs=[-0.1, -0.1, 0.0, 0.0, -0.1, -0.1], reward=r, status=SampleStatus.COMPLETED)
+        for r in rewards
+    ]
+    return TrainBatch.from_samples(samples, pad_token_id=0)
+
+
+MASK = [0, 1, 1, 0, 0, 1, 1]  # target-aligned: column 0 predicts the last prompt token's successor
+
+
+def on_mask(per_sequence):
+    return [[value * m for m in MASK] for value in per_sequence]
+
+
+def test_every_estimator_gives_tokens_before_a_tool_call_their_credit():
+    from miles.builtin.advantages import gspo, ppo
+
+    batch = multi_turn_batch([1.0, 0.0])
+    assert batch.loss_mask.tolist() == [MASK, MASK]
+    std = math.sqrt(0.5)  # unbiased std of (1, 0)
+    assert close(grpo(batch), on_mask([0.5 / std, -0.5 / std]))
+    assert close(gspo(batch), on_mask([0.5 / std, -0.5 / std]))
+    assert close(dr_grpo(batch), on_mask([0.5, -0.5]))
+    assert close(rloo(batch), on_mask([1.0, -1.0]))
+    assert close(reinforce_pp(batch, whiten=False), on_mask([1.0, 0.0]))
+    assert close(reinforce_pp_baseline(batch, whiten=False), on_mask([0.5, -0.5]))
+    # gamma 0.5 discounts policy tokens only: 1 at the last, 0.5, then over the observation 0.25, 0.125
+    assert close(reinforce_pp(batch, gamma=0.5, whiten=False)[0], [0.0, 0.125, 0.25, 0.0, 0.0, 0.5, 1.0])
+    batch.kl_penalty = torch.tensor([[0.0, 0.1, 0.0, 0.0, 0.0, 0.2, 0.0]] * 2)
+    # token rewards [-0.1, 0, (obs), (obs), -0.2, r]: returns sum to the end across the observation
+    assert close(reinforce_pp(batch, whiten=False)[0], [0.0, 0.7, 0.8, 0.0, 0.0, 0.8, 1.0])
+    batch.kl_penalty = None
+    batch.values = torch.tensor([[0.0, 0.1, 0.2, 9.0, 9.0, 0.3, 0.4]] * 2)  # observation values are ignored
+    assert close(ppo(batch, gamma=1.0, lam=1.0, whiten=False)[0], [0.0, 0.9, 0.8, 0.0, 0.0, 0.7, 0.6])
+    assert close(ppo(batch, gamma=1.0, lam=1.0, whiten=False)[1], [0.0, -0.1, -0.2, 0.0, 0.0, -0.3, -0.4])

@@ -97,12 +97,14 @@ def _token_rewards(batch: TrainBatch, final: torch.Tensor) -> torch.Tensor:
 
 
 def _returns(batch: TrainBatch, final: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Discounted return at each response token of the token rewards, summed to the end."""
+    """Discounted return at each response token of the token rewards, summed to the end. Observation
+    tokens (loss mask 0, e.g. a tool's output between two turns) are skipped: the return carries over
+    them undiscounted, so the tokens before a tool call get the credit of what follows."""
     mask, rewards = batch.loss_mask, _token_rewards(batch, final)
     returns = torch.zeros_like(rewards)
     running = torch.zeros(len(mask))
     for t in reversed(range(mask.shape[1])):
-        running = rewards[:, t] + gamma * running * (mask[:, t] > 0)
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
         returns[:, t] = running
     return returns * mask
 

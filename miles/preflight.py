@@ -8,6 +8,7 @@ Only :meth:`Staged.commit`, called once every check has passed, writes into ``ru
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -17,15 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from miles.checkpoint import Checkpoint, check_compatible, model_signature, newest_intact_checkpoint
 from miles.config.validate import component_node, split_node
 from miles.errors import ConfigError, DataError
 from miles.models import build_model_dir, load_tokenizer
 from miles.rollout.data_source import Prompt, encode_rows, read_rows
 
-__all__ = ["Staged", "preflight", "ray_cpus_needed"]
+__all__ = ["Staged", "preflight"]
 
 
 @dataclass
@@ -96,8 +95,6 @@ def _stage_data(p: Any, staging: Path) -> tuple[str, str | None]:
     cfg = p.config.data
     if cfg.generator is None:
         return cfg.train_path, cfg.eval_path
-    import json
-
     splits = p.build("data_generator", "data.generator")(int(p.config.run.seed))
     if "train" not in splits:
         raise DataError(f"data generator {cfg.generator.name!r} returned no 'train' split (got {', '.join(splits)})")
@@ -137,35 +134,29 @@ def _fit_context(prompts: list[Prompt], path: str, room: int, context: int, poli
 
 
 def _context_length(model_path: str) -> int:
-    import json
-
     config = json.loads((Path(model_path) / "config.json").read_text())
     return int(config.get("max_position_embeddings") or config.get("n_positions") or 2**31)
 
 
-def ray_cpus_needed(config: Any, backend: Any) -> float:
-    """Logical CPUs that the engine actors and the training actors reserve on Ray (0: Ray is not used)."""
+def _ray_reservation(config: Any, backend: Any) -> tuple[int, float]:
+    """(engine actors, logical CPUs for training) that the run reserves on Ray; (0, 0) when it uses no Ray."""
     _, extra = split_node(config.rollout.engine, "rollout.engine")
     engines = extra.get("num_engines", 0)
     if getattr(backend, "uses_ray", False):
-        train = float(getattr(backend, "ray_cpus", config.cluster.train_cpus))
-    else:
-        train = config.cluster.train_cpus if engines > 0 else 0.0
-    return engines * config.cluster.cpus_per_engine + train if engines or train else 0.0
+        return engines, float(getattr(backend, "ray_cpus", config.cluster.train_cpus))
+    return engines, config.cluster.train_cpus if engines > 0 else 0.0
 
 
 def _check_cpus(config: Any, backend: Any) -> int | None:
     """The CPU count for a local Ray instance; refuse an explicit one that cannot place the run."""
-    need = ray_cpus_needed(config, backend)
-    if need == 0 or config.cluster.address:  # no Ray, or a cluster whose size is known only once joined
-        return None
     cluster = config.cluster
+    engines, train = _ray_reservation(config, backend)
+    need = engines * cluster.cpus_per_engine + train
+    if need == 0 or cluster.address:  # no Ray, or a cluster whose size is known only once joined
+        return None
     if cluster.num_cpus is None:  # logical CPUs: processes share the cores when there are fewer
         return max(os.cpu_count() or 1, math.ceil(need))
     if cluster.num_cpus < need:
-        _, extra = split_node(config.rollout.engine, "rollout.engine")
-        engines = extra.get("num_engines", 0)
-        train = need - engines * cluster.cpus_per_engine
         raise ConfigError(
             f"cluster.num_cpus={cluster.num_cpus} cannot place this run: {engines} engine(s) x "
             f"cluster.cpus_per_engine={cluster.cpus_per_engine} + {train:g} for training (cluster.train_cpus, or the "

@@ -26,14 +26,15 @@ from miles.config.validate import component_node, split_node
 from miles.loop import Components, evaluate, rl_step, sft_step
 from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
+from miles.preflight import preflight
+from miles.progress import progress
 from miles.rollout.collect import GroupCollector
 from miles.rollout.context import RolloutContext
+from miles.rollout.data_source import Prompt, PromptSource
+from miles.rollout.generate import with_time_limit
 from miles.rollout.plane import RolloutPlane
 from miles.train.regularizers import regularized
 from miles.train.torch_backend import rng_state, set_rng_state
-from miles.preflight import preflight
-from miles.progress import progress
-from miles.rollout.data_source import Prompt, PromptSource
 
 __all__ = ["Prepared", "prepare", "train", "plugin_stack"]
 
@@ -46,8 +47,6 @@ class Prepared:
         args, extra = split_node(OmegaConf.select(self.config, key), key)
         component = self.registry.build(kind, args, key)
         if "timeout_s" in extra:  # the stage that calls it keeps to the limit (rollout.fn, reward)
-            from miles.rollout.generate import with_time_limit
-
             component = with_time_limit(component, extra["timeout_s"])
         return component
 

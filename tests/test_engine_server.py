@@ -256,6 +256,7 @@ def test_a_weight_update_names_every_offending_tensor_and_applies_nothing(server
     assert f"{names[3]} (got int64, expected float32)" in message
     assert f"2 with NaN or inf values: {names[4]}, {names[5]}" in message and "allow_non_finite" in message
     assert call(server, "/health")[1]["weight_version"] == version  # all or nothing: the old weights keep serving
+    assert call(server, "/flush_cache", {})[1]["success"]  # compute the prompt afresh, as the first time
     assert call(server, "/generate", prompt)[1]["meta_info"]["output_token_logprobs"] == \
         before["meta_info"]["output_token_logprobs"]
 

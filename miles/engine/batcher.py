@@ -4,6 +4,10 @@ One worker thread owns the model's forward passes. Each iteration admits the que
 (prefilled together, left-padded), merges their KV cache into the running batch, feeds every row's
 last sampled token, samples the next, and retires finished rows. Weight updates take the same lock
 as a step, so no request is ever served by half-updated weights.
+
+With a prefix cache (:mod:`miles.engine.prefix_cache`), an admitted prompt starts from the K/V of its
+longest held prefix and only the rest is run through the model; rows with the same prompt in one
+admission are computed once. Prompts are held after prefill, and prompt + output when a row retires.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from miles.engine.prefix_cache import PrefixCache
 from miles.engine.sampling import SamplingParams, sample_next
 
 __all__ = ["ContinuousBatcher", "Request"]
@@ -46,17 +51,23 @@ class Request:
     input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     aborted: bool = False
+    epoch: int = 0  # the prefix cache's epoch at admission: K/V from older weights are never stored
 
 
 class ContinuousBatcher:
     def __init__(self, model: Any, tokenizer: Any, *, context_length: int, pad_token_id: int, eos_token_id: int,
                  generator: torch.Generator, max_batch_size: int, version: Callable[[], int],
-                 background: bool = True) -> None:
+                 background: bool = True, prefix_cache_tokens: int = 0) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.context_length, self.pad, self.eos = context_length, pad_token_id, eos_token_id
         self.generator, self.max_batch_size, self.version = generator, max_batch_size, version
         self.step_lock = threading.Lock()  # held for each step and by weight updates
-        self.stats = {"prefill_batches": 0, "decode_steps": 0, "requests_finished": 0}
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self._epoch = 0  # bumped by each clear of the prefix cache
+        # prefill_tokens_requested: prompt tokens admitted; _computed: those run through the model (the rest came
+        # from the prefix cache); prefix_cache_tokens: held now
+        self.stats = {"prefill_batches": 0, "decode_steps": 0, "requests_finished": 0,
+                      "prefill_tokens_requested": 0, "prefill_tokens_computed": 0, "prefix_cache_tokens": 0}
         self._cond = threading.Condition()
         self._queue: list[Request] = []
         self._paused = False
@@ -98,6 +109,13 @@ class ContinuousBatcher:
         with self._cond:
             self._paused = False
             self._cond.notify()
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every held prefix, and never store K/V of rows admitted before; the caller holds ``step_lock``."""
+        self._epoch += 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.stats["prefix_cache_tokens"] = 0
 
     def load(self) -> dict[str, int]:
         """Requests waiting to be admitted, and rows in the running batch."""
@@ -171,24 +189,59 @@ class ContinuousBatcher:
 
     @torch.inference_mode()
     def _admit(self, requests: list[Request]) -> None:
-        width = max(len(r.prompt) for r in requests)
-        ids = torch.tensor([[self.pad] * (width - len(r.prompt)) + r.prompt for r in requests])
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in requests])
-        cache = DynamicCache()
-        prompt_logprobs = [r.return_logprob and r.logprob_start_len >= 0 for r in requests]
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                            cache=cache, use_cache=True, logits_to_keep=0 if any(prompt_logprobs) else 1).logits
+        """Prefill ``requests`` together and merge them into the running batch.
+
+        Row u of the prefill starts from its held prefix (``hits[u]``, h tokens; never the whole prompt, whose last
+        token gives the next-token logits): the held K/V sit right-aligned in a past block as wide as the longest
+        hit, the uncached suffixes follow left-padded, and the mask has a hole between a row's prefix and its
+        suffix; positions count from h. Afterwards each row's attended columns are packed to the right, so the
+        running batch looks as if the prompts had been prefilled whole.
+        """
+        wanted = [r.return_logprob and r.logprob_start_len >= 0 for r in requests]  # prompt log-probs
+        unique: list[Request] = []  # the rows computed; request i is computed as unique[of[i]]
+        full: list[bool] = []  # computed without the cache (a request wants prompt log-probs)
+        of: list[int] = []
+        index: dict[Any, int] = {}
+        for i, (r, w) in enumerate(zip(requests, wanted)):
+            key = i if self.prefix_cache is None else tuple(r.prompt)
+            if key not in index:
+                index[key] = len(unique)
+                unique.append(r)
+                full.append(False)
+            of.append(index[key])
+            full[of[-1]] |= w
+        hits = [self.prefix_cache.match(r.prompt, len(r.prompt) - 1) if self.prefix_cache is not None and not f
+                else (0, None) for r, f in zip(unique, full)]
+        past = max(h for h, _ in hits)
+        suffixes = [r.prompt[h:] for r, (h, _) in zip(unique, hits)]
+        width = max(len(s) for s in suffixes)
+        ids = torch.tensor([[self.pad] * (width - len(s)) + s for s in suffixes])
+        mask = torch.tensor([[0] * (past - h) + [1] * h + [0] * (width - len(s)) + [1] * len(s)
+                             for (h, _), s in zip(hits, suffixes)])
+        cache = DynamicCache(_past_block(hits, past)) if past else DynamicCache()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                            logits_to_keep=0 if any(full) else 1).logits
         self.stats["prefill_batches"] += 1
-        for row, (r, wanted) in enumerate(zip(requests, prompt_logprobs)):
-            if wanted:
-                self._prompt_logprobs(r, logits[row, width - len(r.prompt) : width - 1].float())
+        self.stats["prefill_tokens_requested"] += sum(len(r.prompt) for r in requests)
+        self.stats["prefill_tokens_computed"] += sum(len(s) for s in suffixes)
+        for r, u, w in zip(requests, of, wanted):
+            if w:  # computed whole: the prompt is the suffix
+                self._prompt_logprobs(r, logits[u, width - len(r.prompt) : width - 1].float())
+        for r in requests:
+            r.epoch = self._epoch
+        if self.prefix_cache is not None:
+            for u, r in enumerate(unique):
+                self._store(r.prompt, cache, u, mask[u])
+            if past or len(unique) < len(requests):
+                mask = _pack(cache, mask, of, max(len(r.prompt) for r in requests))
+                logits = logits[of]
         tokens = self._sample(logits[:, -1, :].float(), requests)
         next_pos = torch.tensor([len(r.prompt) for r in requests])
         if self._cache is None:
             self._cache, self._mask, self._next_pos, self._pending = cache, mask, next_pos, tokens
         else:
-            old, new = self._mask.shape[1], width
-            span = max(old, new)
+            span = max(self._mask.shape[1], mask.shape[1])
             for mine, theirs in zip(self._cache.layers, cache.layers):
                 mine.keys = torch.cat([_left_pad(mine.keys, span), _left_pad(theirs.keys, span)])
                 mine.values = torch.cat([_left_pad(mine.values, span), _left_pad(theirs.values, span)])
@@ -197,6 +250,17 @@ class ContinuousBatcher:
             self._pending = torch.cat([self._pending, tokens])
         self._rows = self._rows + requests
         self._retire(len(self._rows) - len(requests))
+
+    def _store(self, tokens: list[int], cache: DynamicCache, row: int, mask: torch.Tensor) -> None:
+        """Hold ``tokens`` in the prefix cache with their K/V: the columns of ``cache``'s ``row`` that ``mask``
+        attends."""
+        cols = mask.nonzero().squeeze(1)
+        if len(cols) != len(tokens):  # not this row's K/V: never store it
+            return
+        kv = torch.stack([torch.stack([layer.keys[row][:, cols], layer.values[row][:, cols]])
+                          for layer in cache.layers])
+        self.prefix_cache.insert(tokens, kv)
+        self.stats["prefix_cache_tokens"] = self.prefix_cache.tokens
 
     @torch.inference_mode()
     def _decode(self) -> None:
@@ -257,6 +321,10 @@ class ContinuousBatcher:
         if not done:
             return
         finished = [self._rows[i] for i in done]
+        if self.prefix_cache is not None:  # the next turn's prompt starts with prompt + output
+            for i, r in zip(done, finished):
+                if r.epoch == self._epoch and r.finish["type"] in ("stop", "length") and len(r.output_ids) > 1:
+                    self._store(r.prompt + r.output_ids[:-1], self._cache, i, self._mask[i])  # the last one is not fed
         texts = self.tokenizer.batch_decode([r.output_ids for r in finished], skip_special_tokens=True)
         for r, text in zip(finished, texts):
             r.deliver(self._answer(r, text))
@@ -309,6 +377,28 @@ def _top(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
     """The ``k`` most likely tokens of each row of ``logprobs`` [N, V], as (logprob, token id) pairs."""
     values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
     return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+
+
+def _past_block(hits: list[tuple[int, torch.Tensor | None]], past: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each row's held K/V (``[layers, 2, heads, h, dim]``) right-aligned in ``past`` columns: DynamicCache data."""
+    some = next(kv for _, kv in hits if kv is not None)
+    layers, _, heads, _, dim = some.shape
+    block = some.new_zeros(layers, 2, len(hits), heads, past, dim)
+    for row, (h, kv) in enumerate(hits):
+        if h:
+            block[:, :, row, :, past - h :] = kv
+    return [(block[i, 0], block[i, 1]) for i in range(layers)]
+
+
+def _pack(cache: DynamicCache, mask: torch.Tensor, rows: list[int], span: int) -> torch.Tensor:
+    """Make the prefill's cache hold ``rows`` (repeats allowed), each with its attended columns moved to the right
+    end of ``span`` columns, in order (no holes); returns their mask."""
+    index = torch.tensor(rows)
+    order = mask.argsort(dim=1, stable=True)[index][:, -span:]  # unattended columns first, each kind in order
+    for layer in cache.layers:
+        gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+        layer.keys, layer.values = layer.keys[index].gather(2, gather), layer.values[index].gather(2, gather)
+    return mask[index].gather(1, order)
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -2,7 +2,9 @@
 cache, per-row sampling and per-token log-probs, answering in SGLang's ``/generate`` shape.
 
 Requests made in the same event-loop turn are admitted together, so that a rollout function
-written one sample at a time still prefills as one batch.
+written one sample at a time still prefills as one batch. A prefix cache of ``prefix_cache_tokens``
+tokens (0: off) lets a prompt that starts with tokens seen before (the n samples of a prompt, the
+next turn of a trajectory) skip their prefill; weight updates, a new model and ``flush_cache`` empty it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,13 @@ __all__ = ["LocalEngine"]
 class LocalEngine:
     """Registered as rollout engine ``local``."""
 
-    def __init__(self, max_batch_size: int = 1024, seed: int = 0, background: bool = False) -> None:
+    def __init__(self, max_batch_size: int = 1024, seed: int = 0, background: bool = False,
+                 prefix_cache_tokens: int = 32768) -> None:
+        if not _is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens: expected an integer >= 0 (0: no prefix cache), "
+                             f"got {prefix_cache_tokens!r}")
         self.max_batch_size = max_batch_size
+        self.prefix_cache_tokens = prefix_cache_tokens
         # background: a worker thread batches continuously while the caller's loop runs (servers);
         # otherwise each event-loop turn's requests are generated to completion in the calling thread.
         self.background = background
@@ -53,6 +60,7 @@ class LocalEngine:
             self.model, self.tokenizer, context_length=self.context_length, pad_token_id=pad,
             eos_token_id=self.tokenizer.eos_token_id, generator=torch.Generator().manual_seed(self.seed),
             max_batch_size=self.max_batch_size, version=lambda: self.weight_version, background=self.background,
+            prefix_cache_tokens=self.prefix_cache_tokens,
         )
 
     def close(self) -> None:
@@ -78,6 +86,7 @@ class LocalEngine:
         with self.batcher.step_lock, torch.no_grad():
             for name, tensor in state_dict.items():
                 current[name].copy_(tensor)
+            self.batcher.clear_prefix_cache()  # K/V of the old weights
             self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         return self.weight_version
 
@@ -92,8 +101,14 @@ class LocalEngine:
     def abort(self, rid: str | None = None) -> int:
         return self.batcher.abort(rid)
 
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (between two decode steps; running requests go on)."""
+        with self.batcher.step_lock:
+            self.batcher.clear_prefix_cache()
+
     def stats(self) -> dict[str, int]:
-        """Counters (requests finished, prefill batches, decode steps) and the current load."""
+        """Counters (requests finished, prefill batches, decode steps, prompt tokens admitted and actually
+        prefilled), the tokens the prefix cache holds, and the current load."""
         load = self.batcher.load()
         return {**self.batcher.stats, **load, "waiting_requests": load["waiting_requests"] + len(self._turn)}
 

@@ -160,13 +160,16 @@ async def server_info(request: web.Request) -> web.Response:
         "random_seed": engine.seed, "weight_version": engine.weight_version, "version": __version__,
         "frontend": "miles", "max_request_bytes": policy.max_request_bytes,
         "max_weight_request_bytes": policy.max_weight_request_bytes,
-        "internal_states": [engine.stats()],  # requests_finished, waiting_requests, running_requests, ...
+        # requests_finished, waiting_requests, running_requests, prefill_tokens_requested and _computed,
+        # prefix_cache_tokens, ...
+        "internal_states": [engine.stats()],
     })
 
 
 async def flush_cache(request: web.Request) -> web.Response:
     await json_body(request)
-    return json_answer({"success": True, "message": "the embedded engine keeps no cache across requests"})
+    await asyncio.get_running_loop().run_in_executor(None, request.app[ENGINE].flush_cache)  # between two steps
+    return json_answer({"success": True, "message": "the prefix cache is empty"})
 
 
 async def pause(request: web.Request) -> web.Response:

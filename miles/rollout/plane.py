@@ -12,6 +12,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import aiohttp
+
 from miles.rollout.router import Router
 
 __all__ = ["EventLoopThread", "RolloutPlane"]
@@ -80,6 +82,29 @@ class RolloutPlane:
         """POST to every engine in service and return the answers of those that took it; one that fails
         is quarantined and catches up when it returns (:meth:`Router.post_all`)."""
         return self.run(self.router.post_all(path, body, timeout_s, params))
+
+    def prefill_counts(self) -> tuple[int, int]:
+        """(prompt tokens the engines admitted, those they ran through the model), summed over the engines since
+        each started; the difference came from their prefix caches. Remote engines report theirs in
+        ``/server_info``; one that does not answer (or reports none) counts 0 this time."""
+        if self.router is None:
+            states = [engine.stats() if hasattr(engine, "stats") else {} for engine in self.local_engines]
+        else:
+            async def fetch() -> list[dict[str, Any]]:
+                async def one(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+                    try:
+                        async with session.get(url + "/server_info", headers=self.router.headers) as resp:
+                            return (await resp.json())["internal_states"][0] if resp.status == 200 else {}
+                    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
+                        return {}
+
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+                    return await asyncio.gather(*(one(session, e.url) for e in self.router.engines if not e.down))
+
+            states = self.run(fetch())
+        states = [s for s in states if isinstance(s, dict)]
+        return (sum(int(s.get("prefill_tokens_requested", 0)) for s in states),
+                sum(int(s.get("prefill_tokens_computed", 0)) for s in states))
 
     def close(self) -> None:
         if self.aio is not None:

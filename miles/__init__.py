@@ -8,6 +8,7 @@ hookimpl = pluggy.HookimplMarker("miles")
 
 from miles.registry import batched  # noqa: E402  (after hookimpl: builtin plugins import it)
 from miles.types import Group, LossInputs, Sample, SampleStatus, TrainBatch  # noqa: E402
+from miles.agentic.types import Action, EnvContext, ExecResult, StepResult, Tool, ToolCall, ToolResult, tool  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -18,4 +19,12 @@ __all__ = [
     "Sample",
     "SampleStatus",
     "TrainBatch",
+    "Action",
+    "EnvContext",
+    "ExecResult",
+    "StepResult",
+    "Tool",
+    "ToolCall",
+    "ToolResult",
+    "tool",
 ]

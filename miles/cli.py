@@ -82,6 +82,30 @@ def _cmd_engine_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_session_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from miles.errors import ConfigError
+    from miles.plugins import build_plugin_manager
+    from miles.registry import Registry
+    from miles.session.server import serve
+
+    if not (Path(args.model) / "config.json").is_file():
+        raise ConfigError(f"--model {args.model!r} is not an HF model directory (no config.json there)")
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port {args.port}: expected a port number in [0, 65535] (0: any free port)")
+    parser = Registry.from_plugin_manager(build_plugin_manager()).get("tool_parser", args.tool_parser,
+                                                                      where="--tool-parser").obj()
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        serve(args.model, host=args.host, port=args.port, tool_parser=parser, seed=args.seed)
+    except ValueError as exc:  # e.g. a tokenizer without a chat template
+        raise ConfigError(str(exc)) from exc
+    except OSError as exc:  # the address is taken, or not this machine's
+        raise ConfigError(f"--host {args.host} --port {args.port}: cannot listen there: {exc}") from exc
+    return 0
+
+
 def _cmd_router_serve(args: argparse.Namespace) -> int:
     from miles.rollout.router_server import serve_router
 
@@ -123,6 +147,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME[:PORT]",
                        help="another name clients reach the engine by, accepted in the Host header (repeat; '*': any)")
     serve.set_defaults(func=_cmd_engine_serve)
+
+    session = sub.add_parser("session", help="the session server for external agent harnesses")
+    session_sub = session.add_subparsers(dest="session_command", required=True)
+    sserve = session_sub.add_parser("serve", help="serve OpenAI-compatible chat sessions that record their tokens "
+                                                  "(docs/sessions.md), on an in-process engine")
+    sserve.add_argument("--model", required=True,
+                        help="HF-format model directory (its tokenizer needs a chat template)")
+    sserve.add_argument("--host", default="127.0.0.1")
+    sserve.add_argument("--port", type=int, default=30001, help="0: any free port (the URL is printed)")
+    sserve.add_argument("--tool-parser", default="hermes", help="how tool calls are found in generated text")
+    sserve.add_argument("--seed", type=int, default=0)
+    sserve.set_defaults(func=_cmd_session_serve)
 
     router = sub.add_parser("router", help="the router in front of engines")
     router_sub = router.add_subparsers(dest="router_command", required=True)

@@ -97,12 +97,64 @@ def miles_register_rollout_engines(register: Register) -> None:
 
 @hookspec
 def miles_register_envs(register: Register) -> None:
-    """Register environments (multi-turn tasks with tools), selected by name in rollout configs."""
+    """Register environments (multi-turn tasks), selected with ``rollout.env.name``.
+
+    The registered callable (a class or a function) is the env factory: Miles calls it once per
+    trajectory as ``factory(ctx: EnvContext, **args)``, ``args`` being the node's other keys, and
+    gets a fresh env with
+
+    - ``tools``: a list of tool schemas in the OpenAI function format (``[]`` for none); the tool
+      parser validates calls against them;
+    - ``async reset(sample) -> observation``: the start of the conversation: a list of chat messages,
+      one message, a string (one user message) or None (the sample's own prompt);
+    - ``async step(action: Action) -> StepResult``: called after each policy turn with its text and its
+      valid tool calls (calls that fail to parse or break a schema never reach the env: Miles answers
+      them with an error observation and counts them). ``StepResult.observation`` is appended to the
+      conversation (loss mask 0), ``done`` ends the trajectory;
+    - ``async close()``: always called once, also when the rollout fails, times out, is aborted or the
+      run stops.
+
+    ``ctx.sandbox`` opens this trajectory's sandbox (``rollout.sandbox``) on first use and Miles closes
+    it after ``close``; ``ctx.tool(name)`` finds a registered :class:`miles.Tool`. The reward: the
+    ``env`` reward (``reward.name: env``) takes the last non-None ``StepResult.reward``; any other
+    reward plugin scores the sample itself and wins (the env's reward stays in
+    ``sample.metadata["env_reward"]``). Exceptions from ``reset`` or ``step`` fail that sample only.
+    """
 
 
 @hookspec
 def miles_register_sandboxes(register: Register) -> None:
-    """Register code sandboxes (where tool calls and generated code run), selected by name."""
+    """Register code sandboxes, selected with ``rollout.sandbox.name``.
+
+    The registered callable is called once per trajectory with the node's arguments and returns a
+    sandbox with ``async run(command: str, *, timeout_s: float, files: dict[str, bytes] | None = None)
+    -> ExecResult(stdout, stderr, exit_code, timed_out, duration_s)``: a shell command line, run in
+    the sandbox's own workspace after ``files`` (relative paths) are written there, killed with all
+    its processes after ``timeout_s`` (``exit_code`` None, ``timed_out`` True), output capped; and
+    ``async close()``, which stops everything still running and removes the workspace. Nothing the
+    command does may reach outside the workspace or the network. :class:`miles.testing.SandboxConformance`
+    is the test suite every sandbox plugin runs.
+    """
+
+
+@hookspec
+def miles_register_tools(register: Register) -> None:
+    """Register tools the model may call, listed by name in an env's config (``tool_env``'s ``tools``).
+
+    A tool is a :class:`miles.Tool` (a function with an OpenAI function schema, made with
+    :func:`miles.tool`). Its result is the observation; an exception becomes an error observation.
+    """
+
+
+@hookspec
+def miles_register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers, selected with ``rollout.tool_parser.name``.
+
+    The factory is called with the node's arguments and returns an object whose ``parse(text) ->
+    list[ToolCall]`` finds the calls in one generated turn (a malformed one as a ToolCall with
+    ``error`` set) and whose ``content(text)`` is the turn's text without them. Miles validates the
+    arguments against the tools' JSON schemas.
+    """
 
 
 @hookspec

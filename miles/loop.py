@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any, Callable
 
-from miles.errors import RunError
+from miles.agentic.metrics import agentic_metrics
+from miles.errors import DataError, RunError
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt, PromptSource
 from miles.rollout.generate import make_groups, run_rollouts
@@ -65,9 +66,12 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     def check(samples: list[Sample]) -> None:
         failed.append(_check_failures(step, samples, c.max_failed_frac))
 
+    prefill_before = c.plane.prefill_counts()
     collected = c.collector.collect(c.train_data, c.rollout_fn, c.rollout_ctx, c.reward_fn, check)
     samples, kept = collected.samples, collected.groups
     rollout_s = time.perf_counter() - start
+    # Prompt tokens this step's requests asked the engines to prefill, and those their prefix caches spared.
+    requested, computed = (max(0, after - before) for after, before in zip(c.plane.prefill_counts(), prefill_before))
     c.pm.hook.miles_rollout_end(step=step, groups=kept)
 
     rewarded = [s for s in samples if s.trainable]
@@ -82,6 +86,8 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
         **collected.metrics,
         "time/rollout_s": rollout_s,
         "rollout/tokens_per_s": response_tokens / rollout_s if rollout_s > 0 else 0.0,
+        "rollout/prefix_hit_frac": 1.0 - computed / requested if requested else 0.0,
+        **agentic_metrics(samples),
     }
 
     train_samples = [s for g in kept for s in g.trainable_samples]
@@ -128,8 +134,11 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     return metrics
 
 
-def sft_samples(prompts: list[Prompt], tokenizer: Any) -> list[Sample]:
-    """Prompt/label pairs as samples whose response is the label followed by EOS."""
+def sft_samples(prompts: list[Prompt], tokenizer: Any, messages_key: str | None = None) -> list[Sample]:
+    """Prompt/label pairs as samples whose response is the label followed by EOS; with ``messages_key``,
+    the conversation in that column of each row instead (:func:`conversation_sample`)."""
+    if messages_key:
+        return [conversation_sample(p, tokenizer, p.extra.get(messages_key), messages_key) for p in prompts]
     samples = []
     for prompt in prompts:
         sample = Sample(prompt_ids=list(prompt.prompt_ids), prompt=prompt.prompt, label=prompt.label, reward=0.0)
@@ -140,9 +149,37 @@ def sft_samples(prompts: list[Prompt], tokenizer: Any) -> list[Sample]:
     return samples
 
 
-def sft_step(data: PromptSource, tokenizer: Any, batch_size: int, backend: Any, loss_fn: Callable, pad_token_id: int) -> dict[str, float]:
+def conversation_sample(prompt: Prompt, tokenizer: Any, messages: Any, key: str = "messages") -> Sample:
+    """A multi-turn SFT sample, token for token as ``multi_turn`` would record it: the prompt through the
+    chat template, each assistant message's ``content`` as the exact text the policy generates (tool calls
+    written inline, as the tool parser reads them) plus the end-of-turn token (loss mask 1), the other
+    messages as the template's suffix (loss mask 0)."""
+    from miles.agentic.chat import Conversation, normalize_messages
+
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"row {prompt.index}: sft.messages_key {key!r} must hold a non-empty list of messages")
+    first = normalize_messages(prompt.prompt, role="user")
+    conversation = Conversation(tokenizer, first)
+    sample = Sample(prompt_ids=list(conversation.prompt_ids), prompt=prompt.prompt, label=prompt.label, reward=0.0)
+    pending: list[dict] = []
+    for message in messages:
+        if message.get("role") != "assistant":
+            pending.append(message)
+            continue
+        if pending:
+            sample.append(conversation.extend(pending), None, from_policy=False)
+            pending = []
+        text = str(message.get("content") or "")
+        sample.append(conversation.encode(text) + [conversation.eot_id], None, from_policy=True)
+        conversation.add_policy_turn({"role": "assistant", "content": text})
+    sample.status = SampleStatus.COMPLETED
+    return sample
+
+
+def sft_step(data: PromptSource, tokenizer: Any, batch_size: int, backend: Any, loss_fn: Callable, pad_token_id: int,
+             messages_key: str | None = None) -> dict[str, float]:
     start = time.perf_counter()
-    batch = TrainBatch.from_samples(sft_samples(data.next(batch_size), tokenizer), pad_token_id)
+    batch = TrainBatch.from_samples(sft_samples(data.next(batch_size), tokenizer, messages_key), pad_token_id)
     metrics = backend.train_step(batch, loss_fn)
     metrics["time/step_s"] = time.perf_counter() - start
     return metrics

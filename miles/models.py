@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -34,18 +35,45 @@ hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 
 
-def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerBase:
-    """A tokenizer with one token per character of ``alphabet`` plus ``<pad>``, ``<eos>``, ``<unk>``."""
+def build_char_tokenizer(alphabet: str, special_tokens: Sequence[str] = (), added_tokens: Sequence[str] = (),
+                         chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """A tokenizer with one token per character of ``alphabet`` plus ``<pad>``, ``<eos>``, ``<unk>``.
+
+    ``special_tokens`` (e.g. ``<|im_start|>``, dropped when decoding with ``skip_special_tokens``) and
+    ``added_tokens`` (e.g. ``<tool_call>``, kept in decoded text) are one token each. ``chat_template``
+    is a Jinja file, or the name of one shipped in ``miles/templates`` (``chatml_tools``).
+    """
     from transformers import PreTrainedTokenizerFast
 
     chars = list(dict.fromkeys(alphabet))  # unique, order kept
     vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *chars])}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # newlines too, one by one
     tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
     )
+    if special_tokens:
+        fast.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    if added_tokens:
+        fast.add_tokens(list(added_tokens))
+    if chat_template:
+        fast.chat_template = read_chat_template(chat_template)
+    return fast
+
+
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+
+
+def read_chat_template(name_or_path: str) -> str:
+    """The Jinja text of a chat template file, or of one shipped with Miles (by name, without ``.jinja``)."""
+    shipped = TEMPLATES_DIR / f"{name_or_path}.jinja"
+    path = shipped if shipped.is_file() else Path(name_or_path)
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja")))
+        raise ConfigError(f"model.tokenizer.chat_template: {name_or_path!r} is neither a file nor a shipped "
+                          f"template ({known})")
+    return path.read_text()
 
 
 def _qwen3_config(vocab_size: int, tokenizer: PreTrainedTokenizerBase, build) -> object:
@@ -74,7 +102,8 @@ def build_model_dir(build, tokenizer_cfg, out_dir: str | Path, seed: int) -> Pat
     """Build a random-init model and a char tokenizer from config sections and save them."""
     if build.arch not in _ARCHS:
         raise ConfigError(f"model.build.arch: unknown architecture {build.arch!r}; known: {', '.join(_ARCHS)}")
-    tokenizer = build_char_tokenizer(tokenizer_cfg.alphabet)
+    tokenizer = build_char_tokenizer(tokenizer_cfg.alphabet, tokenizer_cfg.special_tokens, tokenizer_cfg.added_tokens,
+                                     tokenizer_cfg.chat_template)
     config = _qwen3_config(len(tokenizer), tokenizer, build)
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -28,6 +28,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "miles.builtin.losses",
     "miles.builtin.selectors",
     "miles.builtin.rollout",
+    "miles.builtin.sandboxes",
+    "miles.builtin.tools",
     "miles.builtin.engines",
     "miles.builtin.backends",
     "miles.builtin.weight_transports",

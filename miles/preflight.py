@@ -182,6 +182,22 @@ def _resume_checkpoint(run_dir: Path, p: Any, base_model: str, stack: list[dict[
     return found
 
 
+def _check_traces(prompts: list[Prompt], tokenizer: Any, key: str, path: str, context: int) -> None:
+    """Every SFT conversation (``sft.messages_key``) renders and fits the context."""
+    from miles.loop import conversation_sample
+
+    for prompt in prompts:
+        try:
+            sample = conversation_sample(prompt, tokenizer, prompt.extra.get(key), key)
+        except Exception as exc:
+            raise DataError(f"data file {str(path)!r}, row {prompt.index}: sft.messages_key {key!r}: "
+                            f"{exc if isinstance(exc, DataError) else f'{type(exc).__name__}: {exc}'}") from None
+        if len(sample.prompt_ids) + len(sample.response_ids) > context:
+            raise DataError(f"data file {str(path)!r}, row {prompt.index}: the conversation under {key!r} takes "
+                            f"{len(sample.prompt_ids) + len(sample.response_ids)} tokens, more than the context of "
+                            f"{context}")
+
+
 def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
     """Check everything that can be checked without training; build what must be built, outside run.dir."""
     config, run_cfg = p.config, p.config.run
@@ -201,6 +217,8 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
         context, room = _context_length(model_path), int(config.rollout.sampling.max_new_tokens)
         policy = data_cfg.overlong_prompts
         train_prompts, dropped = _fit_context(train_prompts, train_path, room, context, policy)
+        if config.sft.steps > 0 and config.sft.messages_key:
+            _check_traces(train_prompts, tokenizer, config.sft.messages_key, train_path, context)
         eval_prompts: list[Prompt] = []
         dropped_eval = 0
         if eval_path and run_cfg.eval_size > 0 and run_cfg.steps > 0:

@@ -36,6 +36,7 @@ class Kind:
     name: str  # singular, as used in messages: "reward"
     hook: str
     call_params: int | None
+    per_use: bool = False  # built into a factory (the callable with its config arguments bound), called once per use
 
     @property
     def plural(self) -> str:
@@ -52,8 +53,10 @@ KINDS: dict[str, Kind] = {
         Kind("rollout_fn", "miles_register_rollout_fns", 2),
         Kind("data_generator", "miles_register_data_generators", 1),
         Kind("rollout_engine", "miles_register_rollout_engines", None),
-        Kind("env", "miles_register_envs", None),
-        Kind("sandbox", "miles_register_sandboxes", None),
+        Kind("env", "miles_register_envs", 1, per_use=True),
+        Kind("sandbox", "miles_register_sandboxes", 0, per_use=True),
+        Kind("tool", "miles_register_tools", None),
+        Kind("tool_parser", "miles_register_tool_parsers", None),
         Kind("backend", "miles_register_backends", None),
         Kind("weight_transport", "miles_register_weight_transports", None),
         Kind("logger", "miles_register_loggers", None),
@@ -174,6 +177,10 @@ class Registry:
         obj = self.get(kind, node["name"]).obj
         call_params = KINDS[kind].call_params
         try:
+            if KINDS[kind].per_use:
+                factory = functools.partial(obj, **args)
+                inspect.signature(factory)  # a TypeError here names an argument the callable cannot take
+                return factory
             if inspect.isclass(obj) or call_params is None:
                 return obj(**args)
             if not args:
@@ -221,7 +228,7 @@ def _check_args(entry: Entry, kind: Kind, args: dict[str, Any]) -> list[str]:
     except (TypeError, ValueError):
         return []  # builtins and C callables cannot be inspected; they fail at call time instead
     params = list(signature.parameters.values())
-    if not inspect.isclass(obj) and kind.call_params:
+    if kind.call_params and (kind.per_use or not inspect.isclass(obj)):
         params = params[kind.call_params :]
     accepts_any = any(p.kind is p.VAR_KEYWORD for p in params)
     named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

@@ -6,8 +6,13 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -22,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from miles.checkpoint import Checkpoint, model_signature, save_checkpoint
 from miles.config import load_config, validate_config
 from miles.config.algorithms import apply_estimator_defaults
-from miles.config.validate import component_node, split_node
+from miles.config.validate import component_node, resolve_tool, split_node
 from miles.loop import Components, evaluate, rl_step, sft_step
 from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
@@ -148,7 +153,8 @@ def _sft_phase(run: _Run, model_path: str) -> str:
     data = PromptSource.from_prompts(run.train_prompts, shuffle=True, seed=run.seed + 1)
     with progress(config.sft.steps, "sft", config.run.progress) as bar:
         for _ in range(config.sft.steps):
-            metrics = sft_step(data, run.tokenizer, config.sft.batch_size, backend, loss, run.pad_token_id)
+            metrics = sft_step(data, run.tokenizer, config.sft.batch_size, backend, loss, run.pad_token_id,
+                               config.sft.messages_key)
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", refresh=False)
             bar.update()
     out = str(run.run_dir / "sft_model")
@@ -188,6 +194,34 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
     return plane
 
 
+def _agentic_parts(run: _Run, model_path: str) -> dict[str, Any]:
+    """What rollout functions get for envs, sandboxes and tool calls (RolloutContext fields)."""
+    from transformers import AutoConfig
+
+    p, rollout = run.p, run.p.config.rollout
+    parts: dict[str, Any] = {
+        "context_length": int(AutoConfig.from_pretrained(model_path).max_position_embeddings),
+        "tool_parser": p.build("tool_parser", "rollout.tool_parser"),
+        "tool": lambda name: resolve_tool(p.registry, name, "rollout.env.tools"),
+        "seed": run.seed,
+    }
+    if rollout.env is not None:
+        parts["env"] = p.build("env", "rollout.env")
+    if rollout.sandbox is not None:
+        factory = p.build("sandbox", "rollout.sandbox")
+        if "workspace_root" in inspect.signature(factory.func).parameters and "workspace_root" not in factory.keywords:
+            # The run's workspaces live under one folder that goes with the run, whatever stopped it.
+            root = tempfile.mkdtemp(prefix="miles-workspaces-")
+            os.chmod(root, 0o711)  # commands may run as another user (nobody, when Miles runs as root)
+            run.closing.callback(shutil.rmtree, root, ignore_errors=True)
+            factory = functools.partial(factory, workspace_root=root)
+        parts["sandbox"] = factory
+        describe = getattr(factory.func, "describe", None)
+        if describe is not None:
+            print(f"rollout.sandbox: {describe(**factory.keywords)}", file=sys.stderr)
+    return parts
+
+
 def _engine_rng(plane: RolloutPlane) -> list[Any]:
     """The sampling RNG of every in-process engine (remote engines keep theirs; see docs/checkpoints.md)."""
     return [engine.rng_state() for engine in plane.local_engines]
@@ -215,11 +249,13 @@ def _rl_phase(run: _Run, model_path: str) -> str:
                   # A value model starts from the policy's checkpoint with a new scalar head.
                   **({"critic_model_path": model_path} if getattr(estimator, "needs_values", False) else {}))
     sampling = OmegaConf.to_container(config.rollout.sampling)
+    agentic = _agentic_parts(run, model_path)
     c = Components(
         pm=p.pm,
         train_data=PromptSource.from_prompts(run.train_prompts, shuffle=config.data.shuffle, seed=run.seed),
         rollout_fn=p.build("rollout_fn", "rollout.fn"),
-        rollout_ctx=RolloutContext(engine=plane.client, tokenizer=run.tokenizer, sampling_params=sampling, run=plane.run),
+        rollout_ctx=RolloutContext(engine=plane.client, tokenizer=run.tokenizer, sampling_params=sampling, run=plane.run,
+                                   **agentic),
         plane=plane,
         reward_fn=p.build("reward", "reward"),
         collector=GroupCollector(
@@ -239,7 +275,10 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         n_samples=config.rollout.n_samples,
         max_failed_frac=run_cfg.max_failed_frac,
     )
-    greedy = RolloutContext(engine=plane.client, tokenizer=run.tokenizer, run=plane.run,
+    aclose = getattr(getattr(c.rollout_fn, "func", c.rollout_fn), "aclose", None)
+    if aclose is not None:  # e.g. the envs of multi-turn trajectories waiting to be continued
+        run.closing.callback(lambda: plane.run(aclose()))
+    greedy = RolloutContext(engine=plane.client, tokenizer=run.tokenizer, run=plane.run, **agentic,
                             sampling_params={**sampling, "temperature": 0.0, "top_p": 1.0, "top_k": -1})
     train_eval_prompts = c.train_data.prompts[: run_cfg.eval_size] if run.eval_prompts else []
     rewards: list[float] = []

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from miles.types import TrainBatch
 
 __all__ = [
-    "BackendConformance", "build_tiny_model", "make_registry", "make_sample", "make_train_batch", "tiny_model_dir",
-    "miles_registry", "MILES_WITH_CTRL_C",
+    "BackendConformance", "build_chat_model", "build_tiny_model", "chat_model_dir", "make_registry", "make_sample", "make_train_batch", "tiny_model_dir",
+    "miles_registry", "MILES_WITH_CTRL_C", "SandboxConformance",
 ]
 
 # The `miles` command line, to run with subprocess, with Ctrl-C restored: a shell without job control starts
@@ -32,12 +32,19 @@ MILES_WITH_CTRL_C = [sys.executable, "-c", "import runpy, signal; signal.signal(
                      "runpy.run_module('miles', run_name='__main__')"]
 
 ADDITION_ALPHABET = "0123456789+="
+# Every printable ASCII character and a newline: enough for chat templates, JSON tool calls and Python code.
+CHAT_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
+CHAT_TOKENIZER = {"special_tokens": ["<|im_start|>", "<|im_end|>"],
+                  "added_tokens": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
+                  "chat_template": "chatml_tools"}
 
 
-def build_tiny_model(path: str | Path, alphabet: str = ADDITION_ALPHABET, seed: int = 0, **build: Any) -> Path:
-    """A random-init Qwen3 model (hidden 64, 2 layers unless overridden) with a char tokenizer."""
+def build_tiny_model(path: str | Path, alphabet: str = ADDITION_ALPHABET, seed: int = 0,
+                     tokenizer: dict[str, Any] | None = None, **build: Any) -> Path:
+    """A random-init Qwen3 model (hidden 64, 2 layers unless overridden) with a char tokenizer
+    (``tokenizer``: more fields of ``model.tokenizer``, e.g. ``special_tokens`` and ``chat_template``)."""
     build_cfg = OmegaConf.merge(OmegaConf.structured(ModelBuildConfig), build)
-    tokenizer_cfg = OmegaConf.structured(TokenizerConfig(alphabet=alphabet))
+    tokenizer_cfg = OmegaConf.structured(TokenizerConfig(alphabet=alphabet, **(tokenizer or {})))
     return build_model_dir(build_cfg, tokenizer_cfg, path, seed)
 
 
@@ -52,6 +59,19 @@ def make_sample(response_text: str = "", label: Any = None, **fields: Any) -> Sa
     fields.setdefault("prompt_ids", [0])
     fields.setdefault("status", SampleStatus.COMPLETED)
     return Sample(response_text=response_text, label=label, **fields)
+
+
+def build_chat_model(path: str | Path, seed: int = 0, **build: Any) -> Path:
+    """A tiny model whose char tokenizer covers printable ASCII, with ChatML special tokens, the Hermes tool
+    tokens and the shipped ``chatml_tools`` chat template."""
+    build.setdefault("max_position_embeddings", 512)
+    return build_tiny_model(path, CHAT_ALPHABET, seed, tokenizer=CHAT_TOKENIZER, **build)
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with a chat template (:func:`build_chat_model`), built once per test session."""
+    return build_chat_model(tmp_path_factory.mktemp("miles-chat-model") / "model")
 
 
 @pytest.fixture(scope="session")
@@ -232,3 +252,183 @@ class BackendConformance:
         for other in results[1:]:
             assert other["train/loss"] == _pytest.approx(results[0]["train/loss"], abs=1e-5)
             assert other["train/grad_norm"] == _pytest.approx(results[0]["train/grad_norm"], rel=1e-5)
+
+
+class SandboxConformance:
+    """The contract every sandbox keeps. Subclass it in a test module of your sandbox plugin:
+
+        class TestMySandbox(SandboxConformance):
+            isolated = True  # False skips the network and filesystem isolation checks
+
+            def make_sandbox(self):
+                return MySandbox(...)
+
+    Each check opens a fresh sandbox, runs commands in it with ``asyncio.run`` and closes it. The checks
+    that look for leftover processes look at this machine's ``/proc``, so for a remote sandbox they pass
+    trivially.
+    """
+
+    isolated: bool = True
+
+    def make_sandbox(self) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def pids_running(marker: str) -> list[int]:
+        """Processes on this machine whose command line contains ``marker`` (zombies have none)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                if marker in cmdline:
+                    pids.append(int(entry.name))
+        return pids
+
+    @staticmethod
+    def wait_until_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
+        """Poll until no process on this machine has ``marker`` in its command line; what is left then."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while (left := SandboxConformance.pids_running(marker)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return left
+
+    @staticmethod
+    def unique_sleep() -> str:
+        """A ``sleep`` command line no other process has, to find its process by (``sleep 1000.<digits>``)."""
+        import random
+
+        return f"sleep 1000.{random.randrange(10**8):08d}"
+
+    def _with_sandbox(self, body: Any) -> Any:
+        """``await body(sandbox)`` on a fresh sandbox, closed afterwards."""
+        import asyncio
+
+        async def main() -> Any:
+            sandbox = self.make_sandbox()
+            try:
+                return await body(sandbox)
+            finally:
+                await sandbox.close()
+
+        return asyncio.run(main())
+
+    def _run(self, command: str, timeout_s: float = 30, **kwargs: Any) -> Any:
+        return self._with_sandbox(lambda sandbox: sandbox.run(command, timeout_s=timeout_s, **kwargs))
+
+    def _skip_unless_isolated(self) -> None:
+        if not self.isolated:
+            pytest.skip("this sandbox declares no isolation (isolated = False)")
+
+    def test_echo(self) -> None:
+        result = self._run("echo hello sandbox")
+        assert (result.stdout, result.stderr, result.exit_code, result.timed_out) == ("hello sandbox\n", "", 0, False)
+        assert result.duration_s >= 0
+
+    def test_stderr_is_captured(self) -> None:
+        result = self._run("echo oops >&2; echo out")
+        assert (result.stdout, result.stderr, result.exit_code) == ("out\n", "oops\n", 0)
+
+    def test_exit_codes(self) -> None:
+        async def body(sandbox: Any) -> list[int]:
+            return [(await sandbox.run(command, timeout_s=30)).exit_code for command in ("true", "exit 3", "false")]
+
+        assert self._with_sandbox(body) == [0, 3, 1]
+
+    def test_files_are_written_into_the_workspace_and_kept_between_runs(self) -> None:
+        blob = bytes(range(256)) * 4
+
+        async def body(sandbox: Any) -> tuple[Any, Any]:
+            first = await sandbox.run("cat a.txt; wc -c < data/blob.bin; echo made > made.txt", timeout_s=30,
+                                      files={"a.txt": b"hi\n", "data/blob.bin": blob})
+            second = await sandbox.run("cat made.txt a.txt; cmp data/blob.bin data/copy.bin && echo same", timeout_s=30,
+                                       files={"data/copy.bin": blob})
+            return first, second
+
+        first, second = self._with_sandbox(body)
+        assert (first.stdout.split(), first.exit_code) == (["hi", "1024"], 0)
+        assert (second.stdout, second.exit_code) == ("made\nhi\nsame\n", 0)
+
+    def test_a_timeout_kills_the_command(self) -> None:
+        import time
+
+        started = time.monotonic()
+        result = self._run("sleep 30", timeout_s=1)
+        assert result.timed_out and result.exit_code is None
+        assert time.monotonic() - started < 20
+
+    def test_output_is_capped(self) -> None:
+        result = self._run("head -c 10000000 /dev/zero | tr '\\0' x")
+        assert result.exit_code == 0 and not result.timed_out
+        assert len(result.stdout) < 10_000_000 and result.stdout.startswith("xxxx")
+        assert not result.stdout.endswith("x"), "a cut output ends with a marker saying how much was cut"
+
+    def test_no_network(self) -> None:
+        import socket
+
+        self._skip_unless_isolated()
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            port = listener.getsockname()[1]
+            script = ("import socket\n"
+                      f"for address in [('127.0.0.1', {port}), ('1.1.1.1', 53)]:\n"
+                      "    try:\n"
+                      "        socket.create_connection(address, timeout=3).close()\n"
+                      "        print('connected', address)\n"
+                      "    except OSError:\n"
+                      "        pass\n")
+            result = self._run("python3 net.py", files={"net.py": script.encode()})
+        assert result.exit_code == 0, result.stderr
+        assert "connected" not in result.stdout
+
+    def test_no_writes_outside_the_workspace(self) -> None:
+        import os
+        import shlex
+
+        self._skip_unless_isolated()
+        name = f"miles-sandbox-conformance-{os.getpid()}"
+        targets = [f"/etc/{name}", f"/usr/{name}", os.path.join(os.path.expanduser("~"), name)]
+        try:
+            paths = " ".join(shlex.quote(target) for target in targets)
+            result = self._run(f'for p in {paths}; do touch "$p" 2>/dev/null && echo "wrote $p"; done; true')
+            assert result.stdout == ""
+            assert not [target for target in targets if os.path.exists(target)]
+        finally:
+            for target in targets:
+                if os.path.exists(target):
+                    os.remove(target)
+
+    def test_concurrent_runs(self) -> None:
+        import asyncio
+
+        async def body(sandbox: Any) -> list[Any]:
+            return await asyncio.gather(*(sandbox.run(f"sleep 0.2; cat in{i}.txt; echo {i} >&2", timeout_s=60,
+                                                      files={f"in{i}.txt": f"run {i}\n".encode()}) for i in range(16)))
+
+        results = self._with_sandbox(body)
+        assert [(r.stdout, r.stderr, r.exit_code) for r in results] == [(f"run {i}\n", f"{i}\n", 0) for i in range(16)]
+
+    def test_nothing_is_left_running_after_close(self) -> None:
+        import asyncio
+
+        background, foreground = self.unique_sleep(), self.unique_sleep()
+
+        async def body(sandbox: Any) -> Any:
+            first = await sandbox.run(f"{background} >/dev/null 2>&1 & echo started", timeout_s=30)
+            assert first.stdout == "started\n"
+            running = asyncio.ensure_future(sandbox.run(foreground, timeout_s=120))
+            for _ in range(100):  # a local sandbox's process shows up here; a remote one's never does
+                if self.pids_running(foreground) or running.done():
+                    break
+                await asyncio.sleep(0.05)
+            await sandbox.close()
+            done, _ = await asyncio.wait({running}, timeout=60)  # it returns or raises, but does not hang
+            return running in done
+
+        assert self._with_sandbox(body), "a run still going when the sandbox closed did not end"
+        assert self.wait_until_gone(background) == [] and self.wait_until_gone(foreground) == []

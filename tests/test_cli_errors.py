@@ -24,7 +24,7 @@ def rows_file(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["reward.name=exact_mtch"], "unknown reward 'exact_mtch' (at reward.name). Registered rewards: exact_match"),
+        (["reward.name=exact_mtch"], "unknown reward 'exact_mtch' (at reward.name). Registered rewards: env, exact_match"),
         (["backend.name=fsdp3"], "unknown backend 'fsdp3' (at backend.name). Registered backends: "),
         (["rollout.n_smaples=2"], "unknown config key 'rollout.n_smaples'"),
         (["run.steps=ten"], "config key 'run.steps' (in overrides) expects int, got 'ten'"),

@@ -48,10 +48,15 @@ def test_config_reference_names_every_section_and_key():
 
 
 def python_blocks(path):
+    return code_blocks(path, "python")
+
+
+def code_blocks(path, language):
+    """The fenced blocks of ``language`` in a Markdown file, in order."""
     text = path.read_text()
     blocks, inside, current = [], False, []
     for line in text.splitlines():
-        if line.strip() == "```python":
+        if line.strip() == f"```{language}":
             inside, current = True, []
         elif inside and line.strip() == "```":
             inside = False

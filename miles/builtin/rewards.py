@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from miles import hookimpl
-from miles.types import Sample
+from miles.types import Sample, SampleStatus
 
 
 def exact_match(sample: Sample, strip: bool = True, case_sensitive: bool = True) -> float:
@@ -16,6 +16,21 @@ def exact_match(sample: Sample, strip: bool = True, case_sensitive: bool = True)
     return float(response == label)
 
 
+def env(sample: Sample, truncated: float = 0.0) -> float | dict[str, float]:
+    """The reward the environment gave (the last non-None ``StepResult.reward`` of a multi-turn rollout).
+
+    A trajectory cut short (TRUNCATED) before the env gave one gets ``truncated``; a finished one without
+    a reward fails (the env never judged it).
+    """
+    if "env_reward" not in sample.metadata and sample.status is SampleStatus.TRUNCATED:
+        return truncated
+    if "env_reward" not in sample.metadata:
+        raise ValueError("the environment gave this trajectory no reward (StepResult.reward was None at every "
+                         "step); use a reward plugin (reward.name) or have the env return one")
+    return sample.metadata["env_reward"]
+
+
 @hookimpl(trylast=True)
 def miles_register_rewards(register):
     register("exact_match", exact_match)
+    register("env", env)

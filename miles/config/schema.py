@@ -22,6 +22,9 @@ def _component(name: str, **args: Any) -> Any:
 class TokenizerConfig:
     kind: str = "char"  # only "char" builds a tokenizer; used when model.path is not set
     alphabet: str = "0123456789+-*= "
+    special_tokens: list[str] = field(default_factory=list)  # one token each, dropped from decoded text: <|im_start|>
+    added_tokens: list[str] = field(default_factory=list)  # one token each, kept in decoded text: <tool_call>
+    chat_template: Optional[str] = None  # a Jinja file, or a shipped template: chatml_tools
 
 
 @dataclass
@@ -61,6 +64,7 @@ class SFTConfig:
     batch_size: int = 64
     lr: float = 3e-3
     loss: Any = _component("sft")
+    messages_key: Optional[str] = None  # a data column with the conversation to train on (multi-turn traces)
 
 
 @dataclass
@@ -74,6 +78,9 @@ class SamplingConfig:
 @dataclass
 class RolloutConfig:
     fn: Any = _component("single_turn")
+    env: Any = None  # {name: ..., **args}: the environment of multi-turn rollouts (multi_turn, agent)
+    sandbox: Any = None  # {name: local, **args}: where tools run code, one per trajectory
+    tool_parser: Any = _component("hermes")  # how tool calls are found in generated text
     engine: Any = _component("local")  # num_engines: 0 runs it in process; N >= 1 serves N over HTTP as Ray actors
     weight_sync: Any = _component("auto")
     prompts_per_step: int = 16
@@ -158,11 +165,14 @@ COMPONENT_NODES: dict[str, str] = {
     "backend": "backend",
     "sft.loss": "loss",
     "rollout.fn": "rollout_fn",
+    "rollout.env": "env",
+    "rollout.sandbox": "sandbox",
+    "rollout.tool_parser": "tool_parser",
     "rollout.engine": "rollout_engine",
     "rollout.weight_sync": "weight_transport",
     "data.generator": "data_generator",
 }
-OPTIONAL_NODES = {"data.generator"}
+OPTIONAL_NODES = {"data.generator", "rollout.env", "rollout.sandbox"}
 # Keys of a component node that configure how it is run rather than the component itself, with defaults.
 ORCHESTRATION_KEYS: dict[str, dict[str, Any]] = {
     "rollout.engine": {"num_engines": 0},  # 0: in process; N >= 1: N engines over HTTP as Ray actors

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from miles.config.schema import COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES, ORCHESTRATION_KEYS
 from miles.errors import ConfigError
-from miles.registry import Registry
+from miles.registry import KINDS, Registry
 
 __all__ = ["validate_config", "component_node", "split_node"]
 
@@ -74,7 +74,8 @@ def _argument_problems(registry: Registry, kind: str, args: dict[str, Any], wher
         if kind == "data_selector" and inspect.isclass(obj):
             obj(**given)
         elif hasattr(obj, "check_args"):
-            params = inspect.signature(obj).parameters.values()
+            params = list(inspect.signature(obj).parameters.values())[KINDS[kind].call_params or 0:] \
+                if KINDS[kind].per_use else inspect.signature(obj).parameters.values()
             obj.check_args({**{p.name: p.default for p in params if p.default is not p.empty}, **given})
     except (TypeError, ValueError) as exc:
         return [f"{where}: {kind} {args['name']!r} rejected its arguments: {exc}"]
@@ -97,6 +98,35 @@ def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[st
         problems.append(f"{where}.num_engines: engines over HTTP are launched for the 'local' engine only, "
                         f"got {plain.get('name')!r}")
     return problems
+
+
+def _agentic_problems(config: DictConfig, registry: Registry) -> list[str]:
+    """An env's ``tools`` must name registered tools; a tool that runs code needs ``rollout.sandbox``;
+    ``multi_turn`` needs an env."""
+    problems = []
+    fn, env = component_node(config.rollout.fn), config.rollout.env
+    if fn["name"] == "multi_turn" and env is None:
+        problems.append("rollout.env: rollout function 'multi_turn' needs an environment, e.g. "
+                        "{name: tool_env, tools: [execute_python_code]}")
+    tools = component_node(env).get("tools") if env is not None else None
+    if isinstance(tools, (list, ListConfig)):
+        for i, name in enumerate(tools):
+            try:
+                tool = resolve_tool(registry, name, f"rollout.env.tools[{i}]")
+            except ConfigError as exc:
+                problems.append(str(exc))
+                continue
+            if tool.needs_sandbox and config.rollout.sandbox is None:
+                problems.append(f"rollout.sandbox: tool {name!r} runs code in a sandbox; set one, e.g. {{name: local}}")
+    return problems
+
+
+def resolve_tool(registry: Registry, name: Any, where: str) -> Any:
+    """The :class:`miles.Tool` registered as ``name`` (or at an import path; a plain function becomes a Tool)."""
+    from miles.agentic.types import Tool, tool
+
+    obj = registry.get("tool", name, where=where).obj
+    return obj if isinstance(obj, Tool) else tool(obj)
 
 
 def validate_config(config: DictConfig, registry: Registry) -> None:
@@ -124,6 +154,6 @@ def validate_config(config: DictConfig, registry: Registry) -> None:
     if not problems:  # combinations are judged once each part is well-formed
         from miles.config.algorithms import conflicts
 
-        problems += conflicts(config, registry)
+        problems += conflicts(config, registry) + _agentic_problems(config, registry)
     if problems:
         raise ConfigError("Config is not well-formed, found the following errors:\n- " + "\n- ".join(problems))

@@ -68,6 +68,7 @@ class GroupCollector:
             groups = resumed + make_groups(prompts, self.n_samples, first_group_index=self.next_group_index)
             self.next_group_index += count
             if self.partial_rollout:
+                ctx.abort_requested = False
                 run = ctx.run or asyncio.run
                 done, removed_now, completed = run(self._round_partial(groups, rollout_fn, ctx, reward_fn,
                                                                        target - len(kept)))
@@ -139,6 +140,7 @@ class GroupCollector:
             kept += selected
             if len(kept) >= room and not aborted:
                 aborted = True
+                ctx.abort_requested = True  # multi-turn trajectories between turns stop there too
                 result = ctx.engine.abort()
                 if inspect.isawaitable(result):
                     await result

@@ -15,3 +15,12 @@ class RolloutContext:
     tokenizer: Any
     sampling_params: dict[str, Any] = field(default_factory=dict)
     run: Callable[[Coroutine], Any] | None = field(default=None, repr=False)  # runs a coroutine on the plane's loop
+    context_length: int | None = None  # the model's, in tokens (prompt and response together)
+    # Agentic rollouts (rollout.env, rollout.sandbox, rollout.tool_parser); None when not configured.
+    env: Callable[..., Any] | None = None  # env factory: env(EnvContext) -> a fresh env
+    sandbox: Callable[[], Any] | None = None  # sandbox factory: sandbox() -> a fresh sandbox
+    tool_parser: Any = None
+    tool: Callable[[str], Any] | None = None  # a registered tool by name
+    seed: int = 0
+    # Set by the collector once a partial-rollout batch is full: trajectories stop before their next turn.
+    abort_requested: bool = False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ class Prompt:
     prompt: Any  # text, or a list of chat messages
     label: Any
     prompt_ids: list[int]
+    extra: dict[str, Any] = field(default_factory=dict)  # the row's other columns (for envs, SFT traces)
 
 
 def read_rows(path: str | Path, prompt_key: str, label_key: str | None) -> list[dict[str, Any]]:
@@ -95,7 +96,8 @@ def encode_rows(rows: list[dict[str, Any]], tokenizer: Any, *, prompt_key: str, 
     """Every row as a :class:`Prompt`, its token ids encoded once (through the chat template when used)."""
     use_template = _use_chat_template(tokenizer, chat_template)
     return [Prompt(i, row[prompt_key], row.get(label_key) if label_key else None,
-                   encode_prompt(tokenizer, row[prompt_key], use_template))
+                   encode_prompt(tokenizer, row[prompt_key], use_template),
+                   {k: v for k, v in row.items() if k not in (prompt_key, label_key)})
             for i, row in enumerate(rows)]
 
 

@@ -1,0 +1,5 @@
+"""Agentic rollouts: environments, tools and tool parsers, sandboxes, token-exact chat turns."""
+
+from miles.agentic.types import Action, EnvContext, ExecResult, Message, StepResult, Tool, ToolCall, ToolResult, tool
+
+__all__ = ["Action", "EnvContext", "ExecResult", "Message", "StepResult", "Tool", "ToolCall", "ToolResult", "tool"]

@@ -1,0 +1,35 @@
+"""Per-step metrics of agentic rollouts, from what the rollout functions recorded on the samples."""
+
+from __future__ import annotations
+
+from statistics import fmean, quantiles
+
+from miles.types import Sample
+
+__all__ = ["agentic_metrics"]
+
+
+def agentic_metrics(samples: list[Sample]) -> dict[str, float]:
+    """``rollout/observation_token_frac`` always; turns, tool calls and sandbox times for samples that
+    recorded tool statistics (``metadata["tools"]``, filled by ``multi_turn``)."""
+    total = sum(len(s.response_ids) for s in samples)
+    observed = sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples)
+    metrics = {"rollout/observation_token_frac": observed / total if total else 0.0}
+    agentic = [s for s in samples if "tools" in s.metadata]
+    if not agentic:
+        return metrics
+    counts = {key: sum(s.metadata["tools"][key] for s in agentic) for key in agentic[0].metadata["tools"]}
+    metrics.update({
+        "turns/mean": fmean(s.turns for s in agentic),
+        "turns/max": max(s.turns for s in agentic),
+        "tools/calls": counts["calls"],
+        "tools/success_rate": counts["succeeded"] / counts["calls"] if counts["calls"] else 0.0,
+        "tools/parse_errors": counts["parse_errors"],
+        "tools/schema_errors": counts["schema_errors"],
+        "tools/timeouts": counts["timeouts"],
+    })
+    times = sorted(t for s in agentic for t in s.metadata.get("exec_s", ()))
+    if times:
+        cuts = quantiles(times, n=100, method="inclusive") if len(times) > 1 else [times[0]] * 99
+        metrics["sandbox/exec_s_p50"], metrics["sandbox/exec_s_p99"] = cuts[49], cuts[98]
+    return metrics

@@ -1,0 +1,118 @@
+"""Finding tool calls in generated text and checking them against the tools' JSON schemas.
+
+A parser (registry kind ``tool_parser``) only finds calls; :func:`check_calls` validates every call
+the same way for all parsers. A call that cannot be used carries an ``error`` that goes back to the
+model as an observation, and is counted as a parse error (the text is not a call) or a schema error
+(an unknown tool, or arguments that break the tool's schema).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+from miles.agentic.types import ToolCall
+
+__all__ = ["HermesParser", "PythonBlockParser", "CheckedCalls", "check_calls"]
+
+
+class HermesParser:
+    """Hermes/Qwen calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, several per turn.
+    Registered as tool parser ``hermes``."""
+
+    _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> list[ToolCall]:
+        calls = []
+        for i, match in enumerate(self._CALL.finditer(text)):
+            call = ToolCall(name="", arguments={}, id=f"call_{i}")
+            if not match.group(0).endswith("</tool_call>"):
+                call.error = "the tool call is not closed with </tool_call>"
+            else:
+                self._decode(match.group(1).strip(), call)
+            calls.append(call)
+        return calls
+
+    def content(self, text: str) -> str:
+        return self._CALL.sub("", text).strip()
+
+    @staticmethod
+    def _decode(body: str, call: ToolCall) -> None:
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as exc:
+            call.error = f"the tool call is not valid JSON ({exc}); expected {{\"name\": ..., \"arguments\": {{...}}}}"
+            return
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            call.error = 'the tool call must be a JSON object with a string "name" and an object "arguments"'
+            return
+        arguments = obj.get("arguments", {})
+        if isinstance(arguments, str):  # some models send the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                call.name, call.error = obj["name"], f'"arguments" is a string that is not valid JSON ({exc})'
+                return
+        call.name = obj["name"]
+        if not isinstance(arguments, dict):
+            call.error = f'"arguments" must be a JSON object, got {type(arguments).__name__}'
+            return
+        call.arguments = arguments
+
+
+class PythonBlockParser:
+    """A fenced block (```python ... ```) is a call of the Python tool with the block as its code argument.
+    Registered as tool parser ``python_block``."""
+
+    _BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+
+    def __init__(self, tool: str = "execute_python_code", argument: str = "code") -> None:
+        self.tool, self.argument = tool, argument
+
+    def parse(self, text: str) -> list[ToolCall]:
+        calls = []
+        for i, match in enumerate(self._BLOCK.finditer(text)):
+            call = ToolCall(name=self.tool, arguments={self.argument: match.group(1)}, id=f"call_{i}")
+            if not match.group(0).endswith("```"):
+                call.error = "the python block is not closed with ```"
+            calls.append(call)
+        return calls
+
+    def content(self, text: str) -> str:
+        return self._BLOCK.sub("", text).strip()
+
+
+@dataclass
+class CheckedCalls:
+    calls: list[ToolCall]  # in the order generated; the ones with `error` set are not run
+    parse_errors: int = 0
+    schema_errors: int = 0
+
+    @property
+    def valid(self) -> list[ToolCall]:
+        return [c for c in self.calls if c.error is None]
+
+
+def check_calls(calls: list[ToolCall], tools: list[dict[str, Any]]) -> CheckedCalls:
+    """Validate parsed calls against the OpenAI function schemas ``tools``; set ``error`` on the bad ones."""
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+    checked = CheckedCalls(calls)
+    for call in calls:
+        if call.error is not None:
+            checked.parse_errors += 1
+        elif call.name not in schemas:
+            call.error = f"unknown tool {call.name!r}; available: {', '.join(sorted(schemas)) or 'none'}"
+            checked.schema_errors += 1
+        else:
+            problems = sorted(jsonschema.Draft202012Validator(schemas[call.name]).iter_errors(call.arguments),
+                              key=lambda e: list(e.path))
+            if problems:
+                detail = "; ".join(f"{'.'.join(map(str, e.path)) or 'arguments'}: {e.message}" for e in problems)
+                call.error = (f"{len(problems)} validation error{'s' * (len(problems) > 1)} for {call.name}: "
+                              f"{detail}")
+                checked.schema_errors += 1
+    return checked

@@ -1,0 +1,140 @@
+"""The ``agent`` rollout function: an agent harness written against the OpenAI client drives each trajectory
+through a session of the session server, and the session's recorded tokens become the sample.
+
+    rollout: {fn: {name: agent, agent: my_pkg.agents:solve, max_turns: 4}}
+
+``agent`` is the import path of ``async def solve(base_url, sample, **agent_args) -> reward | None``; the other
+arguments are passed to it. ``base_url`` is what ``openai.AsyncOpenAI(base_url=..., api_key=...)`` takes (the
+session's ``/v1``); the server generates with the run's engine and ``rollout.sampling`` and finds tool calls
+with ``rollout.tool_parser``. A reward the agent returns is ``sample.metadata["env_reward"]`` (the ``env``
+reward uses it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from miles.agentic.tool_calls import HermesParser
+from miles.rollout.context import RolloutContext
+from miles.session.server import Session, SessionServer
+from miles.types import Sample, SampleStatus
+
+__all__ = ["Agent"]
+
+
+@dataclass
+class _Shared:
+    """A session server on one event loop, shared by the samples in flight there."""
+
+    server: SessionServer
+    started: asyncio.Future  # the base URL
+    users: int = 0
+
+
+class Agent:
+    """Registered as rollout function ``agent``. One session server per event loop (and rollout context) is
+    started with the first sample and stopped when the last one in flight finishes: Miles may run each step in
+    a fresh event loop."""
+
+    def __init__(self, agent: str, **agent_args: Any) -> None:
+        self.path, self.agent_args = agent, agent_args
+        self.fn = _load(agent, agent_args)
+        self._servers: dict[tuple[asyncio.AbstractEventLoop, int], _Shared] = {}
+
+    @staticmethod
+    def check_args(args: dict[str, Any]) -> None:
+        """Config validation: the agent imports, is an async function and takes the node's other arguments."""
+        args = dict(args)
+        _load(args.pop("agent"), args)
+
+    async def __call__(self, sample: Sample, ctx: RolloutContext) -> Sample:
+        key = (asyncio.get_running_loop(), id(ctx))
+        shared = self._servers.get(key)
+        if shared is None:
+            server = SessionServer(ctx.engine, ctx.tokenizer, ctx.tool_parser or HermesParser(), ctx.sampling_params,
+                                   ctx.context_length)
+            shared = self._servers[key] = _Shared(server, asyncio.ensure_future(server.start()))
+        shared.users += 1
+        session = None
+        try:
+            base_url = await asyncio.shield(shared.started)
+            session = shared.server.open({"group_index": sample.group_index, "index": sample.index})
+            try:
+                reward = await self.fn(f"{base_url}/sessions/{session.id}/v1", sample, **self.agent_args)
+            except Exception as exc:
+                reward, error = None, f"rollout: agent {self.path} raised {type(exc).__name__}: {exc}"
+            else:
+                error = _reward_problem(self.path, reward)
+            _fill(sample, session, error)
+            if sample.trainable and reward is not None:
+                sample.metadata["env_reward"] = reward
+            return sample
+        finally:
+            if session is not None:
+                shared.server.sessions.pop(session.id, None)
+            shared.users -= 1
+            if shared.users == 0:
+                if self._servers.get(key) is shared:
+                    del self._servers[key]
+                with contextlib.suppress(Exception):  # a server that failed to start failed its samples already
+                    await shared.started
+                await shared.server.stop()
+
+
+def _fill(sample: Sample, session: Session, error: str | None) -> None:
+    """The session's trajectory as the sample's tokens, status and tool statistics."""
+    if session.status == "aborted":  # nothing of it is kept: the agent starts over when the sample is continued
+        sample.status, sample.reason = SampleStatus.ABORTED, f"partial rollout: {session.reason}"
+        return
+    if error is not None or session.turns == 0:
+        sample.fail(error or f"rollout: the agent made no chat completion"
+                             f"{f' ({session.reason})' if session.reason else ''}")
+        return
+    sample.prompt_ids = list(session.prompt_ids)
+    sample.response_ids, sample.loss_mask = list(session.response_ids), list(session.loss_mask)
+    sample.rollout_logprobs, sample.weight_versions = list(session.logprobs), list(session.weight_versions)
+    sample.turns, sample.response_text = session.turns, session.last_text
+    sample.metadata["tools"] = dict(session.tool_stats)
+    if session.status == "truncated":
+        sample.status, sample.reason = SampleStatus.TRUNCATED, session.reason
+    elif session.finish_reason == "length":
+        sample.status, sample.reason = SampleStatus.TRUNCATED, "max_tokens reached in the last turn"
+    else:
+        sample.status = SampleStatus.COMPLETED
+
+
+def _reward_problem(path: str, reward: Any) -> str | None:
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if reward is None or number(reward) or isinstance(reward, dict) and all(number(v) for v in reward.values()):
+        return None
+    return f"rollout: agent {path} returned {reward!r}; expected a number, a dict of numbers, or None"
+
+
+def _load(path: str, agent_args: dict[str, Any]) -> Callable[..., Any]:
+    """The agent function at ``path``, checked to be callable as ``fn(base_url, sample, **agent_args)``."""
+    module_name, _, attr = path.partition(":") if isinstance(path, str) else ("", "", "")
+    if not module_name or not attr:
+        raise ValueError(f"agent: expected an import path 'package.module:function', got {path!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:
+        raise ValueError(f"agent: cannot import {path!r}: {type(exc).__name__}: {exc}") from exc
+    if not inspect.iscoroutinefunction(obj):
+        raise ValueError(f"agent: {path!r} must be an async function (async def run(base_url, sample, ...)), "
+                         f"got {type(obj).__name__}")
+    try:
+        inspect.signature(obj).bind("http://base/v1", None, **agent_args)
+    except TypeError as exc:
+        raise ValueError(f"agent {path!r} cannot be called as {obj.__name__}(base_url, sample"
+                         f"{''.join(f', {k}=...' for k in agent_args)}): {exc}") from exc
+    return obj

@@ -1,0 +1,199 @@
+"""The ``multi_turn`` rollout function: generate, parse tool calls, step the environment, append the
+observation, repeat, token in and token out.
+
+Each policy turn keeps the engine's tokens, log-probs and weight version (loss mask 1). Each
+observation is the chat template's suffix for the new messages (:class:`Conversation`), appended with
+loss mask 0 and log-prob 0.0. A trajectory ends when the env says done (COMPLETED), or at
+``max_turns``, ``max_total_tokens`` or the context length (TRUNCATED, the reason names which).
+A trajectory aborted by a partial rollout keeps its env and continues from its exact tokens.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.agentic.chat import Conversation, NotAppendOnly, normalize_messages
+from miles.agentic.tool_calls import check_calls
+from miles.agentic.types import Action, EnvContext, ToolResult
+from miles.rollout.context import RolloutContext
+from miles.types import Sample, SampleStatus
+
+__all__ = ["MultiTurn", "TOOL_STATS"]
+
+TOOL_STATS = ("calls", "succeeded", "parse_errors", "schema_errors", "timeouts")
+
+
+@dataclass
+class _Trajectory:
+    env: Any
+    env_ctx: EnvContext
+    conversation: Conversation | None = None  # set by MultiTurn._start
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the env's schemas, for checking calls
+    turn_start: int = 0  # where the current policy turn begins in response_ids
+    closed: bool = field(default=False, repr=False)
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                await self.env.close()
+            finally:
+                await self.env_ctx.close()
+
+
+class MultiTurn:
+    """Registered as rollout function ``multi_turn``; needs ``rollout.env``.
+
+    ``max_turns``: policy turns per trajectory; ``max_total_tokens``: response tokens (observations
+    included) per trajectory, 0 for the context length only; ``tools_in_prompt``: render the env's tool
+    schemas into the prompt with the chat template (off for a small model that learned the format).
+    The per-turn limit is ``rollout.sampling.max_new_tokens``.
+    """
+
+    def __init__(self, max_turns: int = 8, max_total_tokens: int = 0, tools_in_prompt: bool = True) -> None:
+        if max_turns < 1 or max_total_tokens < 0:
+            raise ValueError(f"max_turns must be >= 1 and max_total_tokens >= 0, got {max_turns}, {max_total_tokens}")
+        self.max_turns, self.max_total_tokens, self.tools_in_prompt = max_turns, max_total_tokens, tools_in_prompt
+        self._suspended: dict[str, _Trajectory] = {}  # aborted trajectories, continued in a later step
+
+    async def __call__(self, sample: Sample, ctx: RolloutContext) -> Sample:
+        if ctx.env is None:
+            raise ValueError("multi_turn needs an environment: set rollout.env (e.g. {name: tool_env})")
+        key = sample.metadata.setdefault("trajectory", uuid.uuid4().hex)
+        trajectory = self._suspended.pop(key, None)
+        if trajectory is None and sample.response_ids:
+            sample.fail("rollout: this aborted trajectory's environment is gone (the run restarted since); "
+                        "multi-turn partial rollouts continue within one run")
+            return sample
+        keep = False
+        try:
+            if trajectory is None:
+                env_ctx = EnvContext(ctx.sandbox, ctx.tool, ctx.seed)
+                try:
+                    trajectory = _Trajectory(ctx.env(env_ctx), env_ctx)
+                except BaseException:
+                    await env_ctx.close()  # the factory may have opened the sandbox already
+                    raise
+                await self._start(trajectory, sample, ctx)
+            else:
+                sample.off_policy_tokens = len(sample.response_ids)
+            keep = await self._turns(trajectory, sample, ctx)
+        finally:
+            if keep:
+                self._suspended[key] = trajectory
+            elif trajectory is not None:
+                await trajectory.close()
+        return sample
+
+    async def aclose(self) -> None:
+        """Close the envs of trajectories still waiting to be continued (the run stops)."""
+        suspended, self._suspended = list(self._suspended.values()), {}
+        for trajectory in suspended:
+            await trajectory.close()
+
+    async def _start(self, trajectory: _Trajectory, sample: Sample, ctx: RolloutContext) -> None:
+        env = trajectory.env
+        first = normalize_messages(await env.reset(sample), role="user")
+        if not first:
+            first = normalize_messages(sample.prompt, role="user")
+        trajectory.tools = list(getattr(env, "tools", None) or [])
+        trajectory.conversation = Conversation(ctx.tokenizer, first, trajectory.tools if self.tools_in_prompt else None)
+        sample.prompt_ids = list(trajectory.conversation.prompt_ids)
+        sample.metadata["tools"] = dict.fromkeys(TOOL_STATS, 0)
+        sample.metadata["exec_s"] = []
+
+    def _room(self, sample: Sample, ctx: RolloutContext) -> tuple[int, str]:
+        """Tokens the trajectory may still add, and the limit that binds."""
+        limits = [(1 << 62, "")]
+        if self.max_total_tokens:
+            limits.append((self.max_total_tokens - len(sample.response_ids),
+                           f"max_total_tokens ({self.max_total_tokens}) reached"))
+        if ctx.context_length:  # the engine needs the next token's position inside the context
+            limits.append((ctx.context_length - 1 - len(sample.prompt_ids) - len(sample.response_ids),
+                           f"the context length ({ctx.context_length} tokens) reached"))
+        return min(limits)
+
+    def _budget(self, sample: Sample, ctx: RolloutContext, in_turn: int) -> tuple[int, str]:
+        """Tokens the next generation may add (the turn's own limit included), and the limit that binds."""
+        per_turn = (int(ctx.sampling_params.get("max_new_tokens", 16)) - in_turn, "max_new_tokens reached")
+        return min(self._room(sample, ctx), per_turn)
+
+    async def _turns(self, trajectory: _Trajectory, sample: Sample, ctx: RolloutContext) -> bool:
+        """Run turns until the trajectory ends (False) or is aborted to be continued later (True)."""
+        conversation, stats = trajectory.conversation, sample.metadata["tools"]
+        while True:
+            if ctx.abort_requested and len(sample.response_ids) == trajectory.turn_start:
+                sample.status, sample.reason = SampleStatus.ABORTED, "partial rollout: stopped before its next turn"
+                return True
+            budget, limit = self._budget(sample, ctx, len(sample.response_ids) - trajectory.turn_start)
+            if budget <= 0:
+                sample.status, sample.reason = SampleStatus.TRUNCATED, limit
+                return False
+            stop_ids = sorted({*ctx.sampling_params.get("stop_token_ids", ()), conversation.eot_id})
+            params = {**ctx.sampling_params, "max_new_tokens": budget, "stop_token_ids": stop_ids}
+            answer = await ctx.engine.generate(sample.prompt_ids + sample.response_ids, params, return_logprob=True)
+            meta = answer["meta_info"]
+            sample.append(list(answer["output_ids"]), [float(t[0]) for t in meta["output_token_logprobs"]],
+                          from_policy=True)
+            sample.weight_versions.append(int(meta["weight_version"]))
+            finish = meta["finish_reason"]["type"]
+            if finish == "abort":
+                sample.status, sample.reason = SampleStatus.ABORTED, str(meta["finish_reason"].get("message", "aborted"))
+                return True
+            if finish == "length":
+                sample.turns += 1
+                sample.status, sample.reason = SampleStatus.TRUNCATED, limit
+                return False
+
+            sample.turns += 1
+            turn_ids = sample.response_ids[trajectory.turn_start:]
+            text = ctx.tokenizer.decode(turn_ids, skip_special_tokens=True)
+            sample.response_text = text
+            checked = check_calls(ctx.tool_parser.parse(text), trajectory.tools)
+            valid = checked.valid
+            stats["calls"] += len(checked.calls)
+            stats["parse_errors"] += checked.parse_errors
+            stats["schema_errors"] += checked.schema_errors
+            conversation.add_policy_turn({"role": "assistant", "content": ctx.tool_parser.content(text),
+                                          **({"tool_calls": [c.openai() for c in valid]} if valid else {})})
+            # Calls that cannot run are answered here, with the reason; the env sees the valid ones only.
+            messages = [{"role": "tool", "name": c.name, "tool_call_id": c.id, "content": f"error: {c.error}"}
+                        for c in checked.calls if c.error is not None]
+            done = False
+            if valid or not checked.calls:
+                result = await trajectory.env.step(Action(text, valid, list(turn_ids)))
+                messages += normalize_messages(result.observation, role="tool" if valid else "user")
+                if result.reward is not None:
+                    sample.metadata["env_reward"] = result.reward
+                done = bool(result.done)
+                self._count_results(valid, result.info.get("tool_results"), stats, sample.metadata["exec_s"])
+            if done:
+                sample.status = SampleStatus.COMPLETED
+                return False
+            if sample.turns >= self.max_turns:
+                sample.status, sample.reason = SampleStatus.TRUNCATED, f"max_turns ({self.max_turns}) reached"
+                return False
+            try:
+                observation = conversation.extend(messages)
+            except NotAppendOnly as exc:
+                sample.fail(f"rollout: {exc}")
+                return False
+            room, limit = self._room(sample, ctx)
+            if len(observation) >= room:  # no room left for the observation and one more generated token
+                sample.status, sample.reason = SampleStatus.TRUNCATED, f"{limit} by the observation after turn {sample.turns}"
+                return False
+            sample.append(observation, None, from_policy=False)
+            trajectory.turn_start = len(sample.response_ids)
+
+    @staticmethod
+    def _count_results(valid: list, results: list[ToolResult] | None, stats: dict[str, int], exec_s: list[float]) -> None:
+        if results is None:  # an env that runs no tools of its own reports nothing: its calls count as done
+            stats["succeeded"] += len(valid)
+            return
+        for result in results:
+            stats["succeeded"] += int(result.ok)
+            stats["timeouts"] += int(result.timed_out)
+            if result.exec_s is not None:
+                exec_s.append(result.exec_s)

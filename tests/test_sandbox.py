@@ -1,0 +1,318 @@
+"""The builtin ``local`` sandbox: the conformance suite in both isolation modes, and what a command
+may do to it (loop forever, fork bomb, eat memory, flood output, escape the workspace, be orphaned)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from miles.builtin import sandboxes
+from miles.builtin.sandboxes import LocalSandbox, describe_isolation
+from miles.testing import SandboxConformance, make_registry
+
+needs_bwrap = pytest.mark.skipif(sandboxes.bwrap_problem() is not None,
+                                 reason=f"bwrap does not work here: {sandboxes.bwrap_problem()}")
+MODES = [pytest.param("bwrap", marks=needs_bwrap), "subprocess"]
+gone, unique_sleep = SandboxConformance.wait_until_gone, SandboxConformance.unique_sleep
+
+
+@needs_bwrap
+class TestBwrapSandbox(SandboxConformance):
+    def make_sandbox(self) -> LocalSandbox:
+        return LocalSandbox(isolation="bwrap")
+
+
+class TestSubprocessSandbox(SandboxConformance):
+    isolated = False
+
+    def make_sandbox(self) -> LocalSandbox:
+        return LocalSandbox(isolation="subprocess")
+
+
+@pytest.fixture
+def workspace_root():
+    """A directory for workspaces that uid nobody can reach (pytest's tmp_path is private to root)."""
+    with tempfile.TemporaryDirectory() as root:
+        os.chmod(root, 0o711)
+        yield root
+
+
+def run(command: str, timeout_s: float = 30, files: dict | None = None, **config) -> tuple:
+    """``command`` in a fresh sandbox, then ``echo ok`` in it (the sandbox still works); both results."""
+    async def main():
+        sandbox = LocalSandbox(**config)
+        try:
+            return (await sandbox.run(command, timeout_s=timeout_s, files=files),
+                    await sandbox.run("echo ok", timeout_s=30))
+        finally:
+            await sandbox.close()
+
+    return asyncio.run(main())
+
+
+# -- what a command may do --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_an_infinite_loop_is_killed_at_the_timeout(isolation: str) -> None:
+    started = time.monotonic()
+    result, after = run("python3 -c 'while True: pass'", timeout_s=1, isolation=isolation)
+    assert result.timed_out and result.exit_code is None
+    assert time.monotonic() - started < 20
+    assert after.stdout == "ok\n"
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_an_infinite_loop_is_killed_by_the_cpu_limit(isolation: str) -> None:
+    result, _ = run("python3 -c 'while True: pass'", timeout_s=120, isolation=isolation, cpu_s=1)
+    assert not result.timed_out
+    assert result.exit_code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL)
+
+
+FORK_COUNT = """
+import os, signal, time
+children = []
+for _ in range(500):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    children.append(pid)
+print(len(children))
+for pid in children:
+    os.kill(pid, signal.SIGKILL)
+"""
+
+FORK_BOMB = """
+import os
+while True:
+    try:
+        os.fork()
+    except OSError:
+        pass
+"""
+
+
+@needs_bwrap  # subprocess mode has no process limit (see miles.builtin.sandboxes)
+def test_the_process_limit_holds_per_run() -> None:
+    async def main():
+        sandbox = LocalSandbox(isolation="bwrap", max_procs=32)
+        try:
+            files = {"fork.py": FORK_COUNT.encode()}
+            return await asyncio.gather(*(sandbox.run("python3 fork.py", timeout_s=60, files=files) for _ in range(3)))
+        finally:
+            await sandbox.close()
+
+    for result in asyncio.run(main()):  # each run may start its own 32, at the same time
+        assert result.exit_code == 0, result.stderr
+        assert 25 < int(result.stdout) < 32
+
+
+@needs_bwrap
+def test_a_fork_bomb_is_contained() -> None:
+    marker = f"bomb{os.getpid()}{time.monotonic_ns()}.py"
+    result, after = run(f"python3 {marker}", timeout_s=3, files={marker: FORK_BOMB.encode()}, isolation="bwrap")
+    assert result.timed_out
+    assert after.stdout == "ok\n"
+    assert gone(marker) == []
+    assert subprocess.run(["true"], timeout=30).returncode == 0  # this machine can still start processes
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_allocating_4_gb_fails_inside(isolation: str) -> None:
+    result, after = run("python3 -c 'b = bytearray(4 << 30)'", isolation=isolation, memory_mb=512)
+    assert result.exit_code not in (0, None) and not result.timed_out
+    assert "MemoryError" in result.stderr
+    assert after.stdout == "ok\n"
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_10_mb_of_output_is_cut_with_a_marker(isolation: str) -> None:
+    result, _ = run("head -c 10000000 /dev/zero | tr '\\0' x; head -c 5000 /dev/zero | tr '\\0' y >&2",
+                    isolation=isolation, output_bytes=1000)
+    assert result.stdout == "x" * 1000 + "\n[... 9999000 more bytes cut]"
+    assert result.stderr == "y" * 1000 + "\n[... 4000 more bytes cut]"
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_a_background_process_ends_with_its_run(isolation: str) -> None:
+    sleep = unique_sleep()
+    result, _ = run(f"{sleep} & echo started", isolation=isolation)
+    assert result.stdout == "started\n" and result.duration_s < 20
+    assert gone(sleep) == []
+
+
+@needs_bwrap
+def test_bwrap_isolates_network_and_filesystem() -> None:
+    home = os.path.expanduser("~")
+    result, _ = run(f"touch /etc/miles-x; touch {home}/miles-x; python3 -c \"import socket; "
+                    f"socket.create_connection(('1.1.1.1', 53), timeout=3)\"", isolation="bwrap")
+    assert "Read-only file system" in result.stderr and "Network is unreachable" in result.stderr
+    assert not os.path.exists("/etc/miles-x") and not os.path.exists(f"{home}/miles-x")
+
+
+def test_files_never_follow_a_symlink_out_of_the_workspace(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+
+    async def main():
+        sandbox = LocalSandbox(isolation="subprocess")
+        try:
+            await sandbox.run(f"ln -s {outside} link; ln -s {outside}/f.txt f.txt", timeout_s=30)
+            for path in ("link/f.txt", "f.txt", "../f.txt", "/tmp/f.txt", ""):
+                with pytest.raises(ValueError, match="files"):
+                    await sandbox.run("true", timeout_s=30, files={path: b"x"})
+        finally:
+            await sandbox.close()
+
+    asyncio.run(main())
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_no_sandbox_process_outlives_a_killed_rollout(isolation: str, workspace_root: str) -> None:
+    sleep = unique_sleep()
+    script = textwrap.dedent(f"""
+        import asyncio
+        from miles.builtin.sandboxes import LocalSandbox
+        sandbox = LocalSandbox(isolation={isolation!r}, workspace_root={workspace_root!r})
+        asyncio.run(sandbox.run({sleep!r} + "; true", timeout_s=600))  # sleep is a grandchild: sh forks it
+    """)
+    rollout = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while not sleeping(sleep) and time.monotonic() < deadline:
+            assert rollout.poll() is None, "the rollout process ended by itself"
+            time.sleep(0.05)
+        assert sleeping(sleep), "the sandboxed sleep never started"
+    finally:
+        rollout.send_signal(signal.SIGKILL)
+        rollout.wait()
+    assert gone(sleep) == []  # bwrap, sh and sleep: their command lines all hold the marker
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_close_while_a_run_is_starting_ends_it(isolation: str) -> None:
+    sleep = unique_sleep()
+
+    async def main():
+        sandbox = LocalSandbox(isolation=isolation)
+        running = asyncio.ensure_future(sandbox.run(sleep, timeout_s=120))
+        await asyncio.sleep(0)  # the run has forked and waits for its pipes to connect
+        await sandbox.close()
+        done, _ = await asyncio.wait({running}, timeout=60)
+        if running in done:
+            running.exception()  # ending with an error is fine too
+        return running in done
+
+    for _ in range(10):  # bwrap is still setting up: its --die-with-parent is not in place yet
+        assert asyncio.run(main())
+    assert gone(sleep) == []
+
+
+def sleeping(command: str) -> list[int]:
+    """The pids of ``command`` itself (not of the shells whose command lines hold it)."""
+    pids = []
+    for pid in SandboxConformance.pids_running(command):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0"):
+                pids.append(pid)
+        except OSError:
+            pass  # it ended meanwhile
+    return pids
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_stdin_is_empty(isolation: str) -> None:
+    result, _ = run("cat; echo done", timeout_s=20, isolation=isolation)
+    assert (result.stdout, result.timed_out) == ("done\n", False)
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_no_sandbox_process_outlives_a_rollout_killed_while_it_starts(isolation: str, workspace_root: str) -> None:
+    """Rollouts (forks of one process) SIGKILLed a few milliseconds after their run starts, while bwrap's
+    --die-with-parent may not be in place yet."""
+    sleeps = [unique_sleep() for _ in range(10)]
+    script = textwrap.dedent(f"""
+        import asyncio, os, random, signal, time
+        from miles.builtin.sandboxes import LocalSandbox
+        LocalSandbox(isolation={isolation!r})  # probes bwrap once, before the forks
+        for sleep in {sleeps!r}:
+            pid = os.fork()
+            if pid == 0:
+                sandbox = LocalSandbox(isolation={isolation!r}, workspace_root={workspace_root!r})
+                asyncio.run(sandbox.run(sleep + "; true", timeout_s=600))
+                os._exit(0)
+            time.sleep(random.uniform(0, 0.05))
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    assert [gone(sleep) for sleep in sleeps] == [[]] * len(sleeps)
+
+
+def test_close_is_idempotent_and_removes_the_workspace(workspace_root: str) -> None:
+    async def main():
+        sandbox = LocalSandbox(isolation="subprocess", workspace_root=workspace_root)
+        await sandbox.run("mkdir -p locked/in && touch locked/in/f && chmod 500 locked/in locked", timeout_s=30)
+        await sandbox.close()
+        await sandbox.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await sandbox.run("true", timeout_s=30)
+
+    asyncio.run(main())
+    assert os.listdir(workspace_root) == []
+
+
+# -- configuration --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("args", "named"), [
+    ({"isolation": "docker"}, "isolation"), ({"cpu_s": 0}, "cpu_s"), ({"memory_mb": "1G"}, "memory_mb"),
+    ({"max_procs": True}, "max_procs"), ({"output_bytes": -1}, "output_bytes"),
+    ({"workspace_root": "/no/such/dir"}, "workspace_root"),
+])
+def test_bad_arguments_are_named(args: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        LocalSandbox(**args)
+
+
+def test_local_is_registered() -> None:
+    assert make_registry().get("sandbox", "local").obj is LocalSandbox
+
+
+def test_auto_falls_back_to_subprocess_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(sandboxes, "bwrap_problem", lambda: "bwrap is not installed")
+    sandboxes.resolve_isolation.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=sandboxes.__name__):
+            assert LocalSandbox().isolation == "subprocess"
+            assert LocalSandbox().isolation == "subprocess"
+        warnings = [r.getMessage() for r in caplog.records if "NOT isolated" in r.getMessage()]
+        assert len(warnings) == 1 and "install bubblewrap" in warnings[0]  # once per process
+        assert "NOT isolated" in describe_isolation("auto")
+        with pytest.raises(ValueError, match="isolation: 'bwrap' does not work here"):
+            LocalSandbox(isolation="bwrap")
+    finally:
+        sandboxes.resolve_isolation.cache_clear()
+
+
+@needs_bwrap
+def test_describe_isolation_says_what_auto_picks() -> None:
+    assert describe_isolation("auto").startswith("local sandbox: bubblewrap")
+    assert LocalSandbox.describe(cpu_s=5) == describe_isolation("auto")
+    assert "NOT isolated" in LocalSandbox.describe(isolation="subprocess")
+    with pytest.raises(ValueError, match="memory_mb"):
+        LocalSandbox.describe(memory_mb=0)

@@ -66,3 +66,19 @@ def test_missing_file_and_missing_key_are_named(tmp_path):
     assert "its columns are: question, answer" in str(err.value)
     with pytest.raises(DataError, match="unsupported extension '.csv'"):
         read_rows(tmp_path.joinpath("x.csv").touch() or tmp_path / "x.csv", "prompt", None)
+
+
+def test_tool_arithmetic_writes_tool_traces_and_some_direct_answers():
+    from miles.builtin.data import tool_arithmetic
+
+    splits = tool_arithmetic(seed=0, size=400, direct_fraction=0.5)
+    rows = splits["train"] + splits["eval"]
+    assert len(rows) == 400 and not {r["prompt"] for r in splits["train"]} & {r["prompt"] for r in splits["eval"]}
+    for row in rows:
+        a, b = row["prompt"].rstrip("=").split("*")
+        assert row["label"] == str(int(a) * int(b)) and row["messages"][-1] == {"role": "assistant", "content": row["label"]}
+    with_tool = [r for r in rows if len(r["messages"]) == 3]
+    assert 150 < len(with_tool) < 250
+    assert with_tool[0]["messages"][:2] == [
+        {"role": "assistant", "content": f"```python\nprint({with_tool[0]['prompt'][:-1]})\n```"},
+        {"role": "tool", "content": with_tool[0]["label"] + "\n"}]

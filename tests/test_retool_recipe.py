@@ -43,7 +43,7 @@ def _descendants() -> list[str]:
 
 def test_the_recipe_runs_its_phases_with_the_real_sandbox(tmp_path):
     summary = train(prepare("configs/retool.yaml", [
-        f"run.dir={tmp_path}", "sft.steps=80", "run.steps=2", "rollout.prompts_per_step=4", "rollout.n_samples=4",
+        f"run.dir={tmp_path}", "sft.steps=80", "data.generator.direct_fraction=0.0", "run.steps=2", "rollout.prompts_per_step=4", "rollout.n_samples=4",
         "run.eval_size=8", "run.progress=false"]))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]

@@ -2,7 +2,10 @@
 the run, and greedy held-out accuracy of the final model with the Python tool and without it (the same
 model, the same env with no tools: its code comes back as "unknown tool" and it must answer anyway).
 
-    python benchmarks/retool.py [--run-dir runs/retool-bench] [CONFIG OVERRIDES ...]
+    python benchmarks/retool.py [--run-dir runs/retool-bench] [--reuse] [CONFIG OVERRIDES ...]
+
+``--reuse`` reads a finished run in ``--run-dir`` (e.g. ``runs/retool`` after ``miles train configs/retool.yaml``)
+instead of training again.
 """
 
 from __future__ import annotations
@@ -47,12 +50,17 @@ def held_out(run_dir: Path, config, with_tool: bool) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", default="runs/retool-bench")
+    parser.add_argument("--reuse", action="store_true", help="report on the finished run in --run-dir")
     args, overrides = parser.parse_known_args()
     torch.set_num_threads(1)
     run_dir = Path(args.run_dir)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    p = prepare(CONFIG, [f"run.dir={run_dir}", "run.progress=false", *overrides])
-    summary = train(p)
+    if args.reuse:
+        p = prepare(run_dir / "config.yaml", [])
+        summary = json.loads((run_dir / "summary.json").read_text())
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        p = prepare(CONFIG, [f"run.dir={run_dir}", "run.progress=false", *overrides])
+        summary = train(p)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     k = max(1, min(10, len(steps) // 5))
@@ -63,7 +71,7 @@ def main() -> None:
 
     print(f"\nReTool recipe ({len(steps)} GRPO steps; first and last {k} steps averaged)")
     print("  time per phase: " + ", ".join(f"{name} {s:.1f} s" for name, s in summary["time_s"].items()))
-    for key in ("reward/mean", "tools/success_rate", "turns/mean", "tools/parse_errors", "sandbox/exec_s_p50",
+    for key in ("reward/mean", "tools/calls", "tools/success_rate", "turns/mean", "tools/parse_errors", "sandbox/exec_s_p50",
                 "rollout/prefix_hit_frac", "time/step_s"):
         print(f"  {key:<24} {first_last(key)}")
     for with_tool in (True, False):

@@ -133,7 +133,8 @@ def _fit_context(prompts: list[Prompt], path: str, room: int, context: int, poli
     return fits, over
 
 
-def _context_length(model_path: str) -> int:
+def context_length(model_path: str) -> int:
+    """The model's context in tokens, read from its config.json."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     return int(config.get("max_position_embeddings") or config.get("n_positions") or 2**31)
 
@@ -214,7 +215,7 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
         label_key = data_cfg.label_key if config.sft.steps > 0 else None  # SFT needs labels; RL rewards may not
         train_prompts = encode_rows(read_rows(train_path, data_cfg.prompt_key, label_key), tokenizer,
                                     label_key=data_cfg.label_key, **encode)
-        context, room = _context_length(model_path), int(config.rollout.sampling.max_new_tokens)
+        context, room = context_length(model_path), int(config.rollout.sampling.max_new_tokens)
         policy = data_cfg.overlong_prompts
         train_prompts, dropped = _fit_context(train_prompts, train_path, room, context, policy)
         if config.sft.steps > 0 and config.sft.messages_key:

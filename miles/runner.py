@@ -31,7 +31,7 @@ from miles.config.validate import component_node, resolve_tool, split_node
 from miles.loop import Components, evaluate, rl_step, sft_step
 from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
-from miles.preflight import preflight
+from miles.preflight import context_length, preflight
 from miles.progress import progress
 from miles.rollout.collect import GroupCollector
 from miles.rollout.context import RolloutContext
@@ -196,11 +196,9 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
 
 def _agentic_parts(run: _Run, model_path: str) -> dict[str, Any]:
     """What rollout functions get for envs, sandboxes and tool calls (RolloutContext fields)."""
-    from transformers import AutoConfig
-
     p, rollout = run.p, run.p.config.rollout
     parts: dict[str, Any] = {
-        "context_length": int(AutoConfig.from_pretrained(model_path).max_position_embeddings),
+        "context_length": context_length(model_path),
         "tool_parser": p.build("tool_parser", "rollout.tool_parser"),
         "tool": lambda name: resolve_tool(p.registry, name, "rollout.env.tools"),
         "seed": run.seed,

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from miles import __version__
-from miles.errors import MilesError
+from miles.errors import ConfigError, MilesError, RunError
 
 __all__ = ["main"]
 
@@ -68,7 +68,6 @@ def _cmd_engine_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from miles.engine.server import serve
-    from miles.errors import ConfigError
 
     if not (Path(args.model) / "config.json").is_file():
         raise ConfigError(f"--model {args.model!r} is not an HF model directory (no config.json there)")
@@ -85,7 +84,6 @@ def _cmd_engine_serve(args: argparse.Namespace) -> int:
 def _cmd_session_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from miles.errors import ConfigError
     from miles.plugins import build_plugin_manager
     from miles.registry import Registry
     from miles.session.server import serve
@@ -111,6 +109,26 @@ def _cmd_router_serve(args: argparse.Namespace) -> int:
 
     serve_router(args.engine, host=args.host, port=args.port, health_interval_s=args.health_interval_s,
                  max_failures=args.max_failures, max_retries=args.max_retries)
+    return 0
+
+
+def _cmd_sandbox_gc(args: argparse.Namespace) -> int:
+    """Delete the hosted sandboxes a run (or every Miles run) left behind, found by their tags."""
+    import asyncio
+
+    from miles.plugins import build_plugin_manager
+    from miles.registry import Registry
+
+    registry = Registry.from_plugin_manager(build_plugin_manager())
+    sandbox_cls = registry.get("sandbox", args.name, where="miles sandbox gc NAME").obj
+    if not hasattr(sandbox_cls, "gc"):
+        raise ConfigError(f"sandbox {args.name!r} keeps nothing after a run (it has no gc); hosted sandboxes do")
+    try:
+        deleted = asyncio.run(sandbox_cls.gc(run_id=args.run))
+    except Exception as exc:
+        raise RunError(f"miles sandbox gc {args.name}: {type(exc).__name__}: {exc}") from exc
+    which = f"run {args.run}" if args.run else "any Miles run"
+    print(f"deleted {len(deleted)} {args.name} sandbox(es) tagged by {which}" + "".join(f"\n  {i}" for i in deleted))
     return 0
 
 
@@ -159,6 +177,14 @@ def _parser() -> argparse.ArgumentParser:
     sserve.add_argument("--tool-parser", default="hermes", help="how tool calls are found in generated text")
     sserve.add_argument("--seed", type=int, default=0)
     sserve.set_defaults(func=_cmd_session_serve)
+
+    sandbox = sub.add_parser("sandbox", help="hosted sandboxes (E2B, Modal, Daytona ... plugins)")
+    sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
+    gc = sandbox_sub.add_parser("gc", help="delete the sandboxes a run left behind (a killed run's leftovers)")
+    gc.add_argument("name", help="the registered sandbox, e.g. e2b")
+    gc.add_argument("--run", default=None, help="only this run's (the id the run printed at start, miles-run=...); "
+                                                "default: every sandbox tagged by any Miles run")
+    gc.set_defaults(func=_cmd_sandbox_gc)
 
     router = sub.add_parser("router", help="the router in front of engines")
     router_sub = router.add_subparsers(dest="router_command", required=True)

@@ -40,7 +40,7 @@ class Kind:
 
     @property
     def plural(self) -> str:
-        return self.name + "s"
+        return self.name + ("es" if self.name.endswith("x") else "s")
 
 
 KINDS: dict[str, Kind] = {

@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from miles.checkpoint import Checkpoint, model_signature, save_checkpoint
 from miles.config import load_config, validate_config
 from miles.config.algorithms import apply_estimator_defaults
 from miles.config.validate import component_node, resolve_tool, split_node
+from miles.errors import RunError
 from miles.loop import Components, evaluate, rl_step, sft_step
 from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
@@ -194,7 +196,7 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
     return plane
 
 
-def _agentic_parts(run: _Run, model_path: str) -> dict[str, Any]:
+def _agentic_parts(run: _Run, model_path: str, plane: RolloutPlane) -> dict[str, Any]:
     """What rollout functions get for envs, sandboxes and tool calls (RolloutContext fields)."""
     p, rollout = run.p, run.p.config.rollout
     parts: dict[str, Any] = {
@@ -213,10 +215,22 @@ def _agentic_parts(run: _Run, model_path: str) -> dict[str, Any]:
             os.chmod(root, 0o711)  # commands may run as another user (nobody, when Miles runs as root)
             run.closing.callback(shutil.rmtree, root, ignore_errors=True)
             factory = functools.partial(factory, workspace_root=root)
+        if "run_id" in inspect.signature(factory).parameters and "run_id" not in factory.keywords:
+            # Hosted sandboxes are tagged with the run, so that `miles sandbox gc` finds what a killed run left.
+            factory = functools.partial(factory, run_id=f"{run.run_dir.name}-{uuid.uuid4().hex[:8]}")
         parts["sandbox"] = factory
-        describe = getattr(factory.func, "describe", None)
+        sandbox_cls = factory.func
+        describe = getattr(sandbox_cls, "describe", None)
         if describe is not None:
-            print(f"rollout.sandbox: {describe(**factory.keywords)}", file=sys.stderr)
+            tag = f" (tagged miles-run={factory.keywords['run_id']})" if "run_id" in factory.keywords else ""
+            print(f"rollout.sandbox: {describe(**factory.keywords)}{tag}", file=sys.stderr)
+        if hasattr(sandbox_cls, "close_all"):  # what is still open at the end, on failure or Ctrl-C
+            run.closing.callback(lambda: plane.run(sandbox_cls.close_all()))
+        if hasattr(sandbox_cls, "preflight"):  # an unreachable service fails the start, in bounded time
+            try:
+                plane.run(sandbox_cls.preflight(**factory.keywords))
+            except Exception as exc:
+                raise RunError(f"rollout.sandbox ({p.config.rollout.sandbox.name}): {exc}") from exc
     return parts
 
 
@@ -247,7 +261,7 @@ def _rl_phase(run: _Run, model_path: str) -> str:
                   # A value model starts from the policy's checkpoint with a new scalar head.
                   **({"critic_model_path": model_path} if getattr(estimator, "needs_values", False) else {}))
     sampling = OmegaConf.to_container(config.rollout.sampling)
-    agentic = _agentic_parts(run, model_path)
+    agentic = _agentic_parts(run, model_path, plane)
     c = Components(
         pm=p.pm,
         train_data=PromptSource.from_prompts(run.train_prompts, shuffle=config.data.shuffle, seed=run.seed),

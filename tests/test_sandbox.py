@@ -4,6 +4,7 @@ may do to it (loop forever, fork bomb, eat memory, flood output, escape the work
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -282,10 +283,41 @@ def test_close_is_idempotent_and_removes_the_workspace(workspace_root: str) -> N
     ({"isolation": "docker"}, "isolation"), ({"cpu_s": 0}, "cpu_s"), ({"memory_mb": "1G"}, "memory_mb"),
     ({"max_procs": True}, "max_procs"), ({"output_bytes": -1}, "output_bytes"),
     ({"workspace_root": "/no/such/dir"}, "workspace_root"),
+    ({"isolation": "subprocess", "mounts": ["/app"]}, "mounts: need isolation bwrap"),
+    ({"isolation": "bwrap", "mounts": ["app"]}, "mounts: expected absolute"),
+    ({"isolation": "bwrap", "mounts": ["/usr/app"]}, "/usr exists on this machine"),
+    ({"isolation": "bwrap", "mounts": ["/app"], "cwd": "/elsewhere"}, "cwd: expected one of the mounts"),
 ])
 def test_bad_arguments_are_named(args: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         LocalSandbox(**args)
+
+
+@needs_bwrap
+def test_mounts_hold_files_at_fixed_paths_for_a_task(tmp_path: Path) -> None:
+    """A task that expects /app and /logs/verifier: files go in by absolute path, commands start in cwd,
+    what they write there comes out with read_file, and the rest of the root stays read-only."""
+    from miles.agentic import EnvContext
+
+    async def main():
+        ctx = EnvContext(sandbox_factory=functools.partial(LocalSandbox, isolation="bwrap"))
+        sandbox = ctx.open_sandbox(mounts=["/app", "/logs/verifier"], cwd="/app")
+        with pytest.raises(RuntimeError, match="open already"):
+            ctx.open_sandbox()
+        try:
+            first = await sandbox.run("pwd; python3 main.py > /logs/verifier/reward.txt; touch /usr/x", timeout_s=30,
+                                      files={"/app/main.py": b"print(0.5)"})
+            second = await sandbox.run("cat /logs/verifier/reward.txt; ls", timeout_s=30)
+            with pytest.raises(ValueError, match="inside a mount"):
+                await sandbox.run("true", timeout_s=30, files={"/etc/passwd": b"x"})
+            return first, second, await sandbox.read_file("/logs/verifier/reward.txt")
+        finally:
+            await ctx.close()
+
+    first, second, reward = asyncio.run(main())
+    assert first.stdout == "/app\n" and "Read-only file system" in first.stderr
+    assert second.stdout == "0.5\nmain.py\n" and reward == b"0.5\n"
+    assert not os.path.exists("/app") and not os.path.exists("/usr/x")
 
 
 def test_local_is_registered() -> None:

@@ -92,6 +92,16 @@ class EnvContext:
             self._sandbox = self.sandbox_factory()
         return self._sandbox
 
+    def open_sandbox(self, **options: Any) -> Any:
+        """Open this trajectory's sandbox with ``options`` over the configured ones (e.g. ``mounts`` and
+        ``cwd`` for a task that expects its files at fixed paths); before any use of ``sandbox``."""
+        if self._sandbox is not None:
+            raise RuntimeError("this trajectory's sandbox is open already: call open_sandbox before using ctx.sandbox")
+        if self.sandbox_factory is None:
+            raise RuntimeError("this environment needs a sandbox: set rollout.sandbox (e.g. {name: local})")
+        self._sandbox = self.sandbox_factory(**options)
+        return self._sandbox
+
     async def close(self) -> None:
         sandbox, self._sandbox = self._sandbox, None
         if sandbox is not None:

@@ -32,6 +32,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 from pathlib import PurePosixPath
 
 from miles import hookimpl
@@ -56,10 +57,17 @@ class LocalSandbox:
     a command starts, ``max_procs`` limits a run's processes (bwrap mode), ``output_bytes`` caps stdout
     and stderr each. ``workspace_root`` is where workspaces are made (default: the system temp dir; when
     Miles runs as root, uid nobody must be able to reach it).
+
+    ``mounts`` (bwrap mode) are absolute folders inside the sandbox, writable and kept between runs, for
+    tasks that expect their files at fixed paths (``/app``, ``/tests``): mount ``/app`` is the workspace's
+    ``app`` folder, and ``files`` may name paths inside a mount. Their top-level folder must not exist on
+    this machine (the sandbox's root is then this machine's top-level folders, read-only, beside them).
+    ``cwd`` is where commands start (a mount or a folder in one; default: the workspace).
     """
 
     def __init__(self, *, isolation: str = "auto", cpu_s: int = 10, memory_mb: int = 1024, file_mb: int = 64,
-                 max_procs: int = 64, output_bytes: int = 65536, workspace_root: str | None = None) -> None:
+                 max_procs: int = 64, output_bytes: int = 65536, workspace_root: str | None = None,
+                 mounts: list[str] | tuple[str, ...] = (), cwd: str | None = None) -> None:
         for name, value in (("cpu_s", cpu_s), ("memory_mb", memory_mb), ("file_mb", file_mb),
                             ("max_procs", max_procs), ("output_bytes", output_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -67,6 +75,10 @@ class LocalSandbox:
         if workspace_root is not None and not os.path.isdir(workspace_root):
             raise ValueError(f"workspace_root: expected an existing directory, got {workspace_root!r}")
         self.isolation = resolve_isolation(isolation)
+        self.mounts = _check_mounts(mounts, self.isolation)
+        if cwd is not None and self._mounted(cwd) is None:
+            raise ValueError(f"cwd: expected one of the mounts {list(self.mounts)} or a folder in one, got {cwd!r}")
+        self.cwd = cwd
         self.output_bytes = output_bytes
         self.max_procs = max_procs
         self.workspace_root = workspace_root
@@ -96,7 +108,7 @@ class LocalSandbox:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
         workspace = self._ensure_workspace()
         for path, data in (files or {}).items():
-            _write_file(workspace, path, data.encode() if isinstance(data, str) else data, self._owner)
+            _write_file(workspace, self._relative(path), data.encode() if isinstance(data, str) else data, self._owner)
         started = time.monotonic()
         # A watcher in the run's process group kills the group when this pipe closes: when this process
         # dies, also before --die-with-parent and the pdeathsig are in place.
@@ -133,6 +145,12 @@ class LocalSandbox:
         exit_code = None if timed_out else (128 - code if code is not None and code < 0 else code)
         return ExecResult(output.stdout.text(), output.stderr.text(), exit_code, timed_out, time.monotonic() - started)
 
+    async def read_file(self, path: str) -> bytes:
+        """The file at ``path`` (relative to the workspace, or inside a mount), without following symlinks."""
+        if self._closed:
+            raise RuntimeError("this sandbox is closed")
+        return await asyncio.to_thread(_read_file, self._ensure_workspace(), self._relative(path))
+
     async def close(self) -> None:
         """Kill whatever still runs and remove the workspace (idempotent)."""
         self._closed = True
@@ -154,10 +172,31 @@ class LocalSandbox:
             self._workspace = tempfile.mkdtemp(prefix="miles-sandbox-", dir=self.workspace_root)
             if self._owner:
                 os.chown(self._workspace, *self._owner)
+            for mount in self.mounts:
+                _write_below(self._workspace, PurePosixPath(mount).parts[1:], None, self._owner)
         return self._workspace
 
+    def _mounted(self, path: str) -> str | None:
+        """``path`` inside a mount as a path relative to the workspace, else None."""
+        pure = PurePosixPath(path)
+        for mount in self.mounts:
+            if pure == PurePosixPath(mount) or PurePosixPath(mount) in pure.parents:
+                return str(pure.relative_to("/"))
+        return None
+
+    def _relative(self, path: str) -> str:
+        if PurePosixPath(path).is_absolute():
+            inside = self._mounted(path)
+            if inside is None or ".." in PurePosixPath(path).parts:
+                raise ValueError(f"files: expected a path relative to the workspace or inside a mount "
+                                 f"{list(self.mounts)}, got {path!r}")
+            return inside
+        return path
+
     def _argv(self, workspace: str) -> list[str]:
-        return _bwrap_argv(workspace, self.max_procs) if self.isolation == "bwrap" else []
+        if self.isolation != "bwrap":
+            return []
+        return _bwrap_argv(workspace, self.max_procs, self.mounts, self.cwd)
 
     def _child_setup(self) -> Callable[[], None]:
         return functools.partial(_child_setup, os.getpid(), self._rlimits)
@@ -196,15 +235,49 @@ class _Capped:
         return text + CUT_MARKER.format(self.cut) if self.cut else text
 
 
-def _bwrap_argv(workspace: str, max_procs: int) -> list[str]:
+def _bwrap_argv(workspace: str, max_procs: int, mounts: tuple[str, ...] = (), cwd: str | None = None) -> list[str]:
     """bwrap and its options, ending where the command goes. The process limit is set inside the new
     user namespace (by prlimit) so that it counts this sandbox's processes only.
 
     No ``--new-session``: bwrap is started in a session of its own, without a controlling terminal (what
-    that option protects against), and so the sandbox's init stays in the process group a run kills."""
-    return ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-            "--bind", workspace, workspace, "--chdir", workspace, "--unshare-all", "--die-with-parent",
-            "--", "prlimit", f"--nproc={max_procs}", "--"]
+    that option protects against), and so the sandbox's init stays in the process group a run kills.
+
+    With mounts, the root is bwrap's own tmpfs holding this machine's top-level folders read-only, so
+    that the mounts' folders can be made beside them."""
+    root = ["--ro-bind", "/", "/"] if not mounts else _top_level_binds()
+    binds = [arg for mount in mounts for arg in ("--bind", os.path.join(workspace, mount.lstrip("/")), mount)]
+    return ["bwrap", *root, "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+            "--bind", workspace, workspace, *binds, "--chdir", cwd or workspace, "--unshare-all",
+            "--die-with-parent", "--", "prlimit", f"--nproc={max_procs}", "--"]
+
+
+def _top_level_binds() -> list[str]:
+    argv = []
+    for name in sorted(os.listdir("/")):
+        path = "/" + name
+        if name in ("proc", "dev", "tmp"):
+            continue
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    return argv
+
+
+def _check_mounts(mounts: Any, isolation: str) -> tuple[str, ...]:
+    """The mounts, checked: absolute, normalised, distinct top-level folders this machine does not have."""
+    if isinstance(mounts, str) or not all(isinstance(m, str) for m in mounts):
+        raise ValueError(f"mounts: expected a list of absolute paths, got {mounts!r}")
+    if mounts and isolation != "bwrap":
+        raise ValueError(f"mounts: need isolation bwrap (this sandbox runs with {isolation}): {list(mounts)}")
+    for mount in mounts:
+        pure = PurePosixPath(mount)
+        if not pure.is_absolute() or ".." in pure.parts or len(pure.parts) < 2 or str(pure) != mount.rstrip("/"):
+            raise ValueError(f"mounts: expected absolute, normalised paths below /, got {mount!r}")
+        if os.path.lexists("/" + pure.parts[1]):
+            raise ValueError(f"mounts: {mount!r}: /{pure.parts[1]} exists on this machine; mounts go in "
+                             f"top-level folders it does not have (e.g. /app, /tests, /logs)")
+    return tuple(m.rstrip("/") for m in mounts)
 
 
 # The lifeline is stdin; a background list gets /dev/null as stdin, so it reads a copy (fd 3). The command
@@ -254,7 +327,31 @@ def _write_file(workspace: str, path: str, data: bytes, owner: tuple[int, int] |
         raise ValueError(f"files: cannot write {path!r} in the workspace: {exc}") from exc
 
 
-def _write_below(workspace: str, parts: tuple[str, ...], data: bytes, owner: tuple[int, int] | None) -> None:
+def _read_file(workspace: str, path: str) -> bytes:
+    """The regular file at ``path`` inside ``workspace``, never following a symlink."""
+    parts = PurePosixPath(path).parts
+    if not parts or PurePosixPath(path).is_absolute() or ".." in parts:
+        raise ValueError(f"read_file: expected a path relative to the workspace, got {path!r}")
+    dir_fd = os.open(workspace, os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for part in parts[:-1]:
+            next_fd = os.open(part, os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            os.close(dir_fd)
+            dir_fd = next_fd
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+        with open(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"read_file: {path!r} is not a regular file")
+            return file.read()
+    finally:
+        os.close(dir_fd)
+
+
+def _write_below(workspace: str, parts: tuple[str, ...], data: bytes | None, owner: tuple[int, int] | None) -> None:
+    """Write ``data`` at ``parts`` below ``workspace``, making folders on the way (``data`` None: make
+    ``parts`` as a folder)."""
+    if data is None:
+        parts = (*parts, "")
     dir_fd = os.open(workspace, os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         for part in parts[:-1]:
@@ -267,6 +364,8 @@ def _write_below(workspace: str, parts: tuple[str, ...], data: bytes, owner: tup
             next_fd = os.open(part, os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
             os.close(dir_fd)
             dir_fd = next_fd
+        if data is None:
+            return
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK
         fd = os.open(parts[-1], flags, 0o644, dir_fd=dir_fd)
         with open(fd, "wb") as file:

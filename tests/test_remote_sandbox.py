@@ -242,3 +242,15 @@ def test_sandbox_gc_on_the_command_line_names_what_is_wrong():
     unknown, local = gc("nope"), gc("local")
     assert unknown.returncode == 2 and "unknown sandbox 'nope'" in unknown.stderr and "local" in unknown.stderr
     assert local.returncode == 2 and "has no gc" in local.stderr
+
+
+def test_a_run_whose_sandbox_service_cannot_be_reached_stops_at_start_naming_it(tmp_path):
+    from tests.conftest import run_miles
+
+    result = run_miles("train", "configs/retool.yaml", f"run.dir={tmp_path / 'run'}", "sft.steps=1", "run.steps=1",
+                       "rollout.sandbox.name=tests.test_remote_sandbox:StandInSandbox",
+                       "rollout.sandbox.connect_timeout_s=0.5", env={"STANDIN_API_KEY": "k"})
+    assert result.returncode == 1, result.stderr
+    assert "rollout.sandbox (tests.test_remote_sandbox:StandInSandbox): standin: could not reach the service " \
+           "within 0.5 s" in result.stderr
+    assert "Traceback" not in result.stderr

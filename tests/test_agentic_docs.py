@@ -19,6 +19,9 @@ def _examples() -> types.ModuleType:
     return module
 
 
+TestTheDocsGuessNumber = _examples().TestGuessNumber  # the docs' EnvConformance example, run by pytest
+
+
 def test_the_custom_env_fits_in_40_lines_and_registers():
     block = next(b for b in python_blocks(DOCS / "agentic.md") if "class GuessNumber" in b)
     assert len(block.strip().splitlines()) <= 40

@@ -29,6 +29,7 @@ from miles.checkpoint import Checkpoint, model_signature, save_checkpoint
 from miles.config import load_config, validate_config
 from miles.config.algorithms import apply_estimator_defaults
 from miles.config.validate import component_node, resolve_tool, split_node
+from miles.agentic.remote import RemoteSandbox
 from miles.errors import RunError
 from miles.loop import Components, evaluate, rl_step, sft_step
 from miles.plugins import PluginManager, build_plugin_manager
@@ -215,7 +216,8 @@ def _agentic_parts(run: _Run, model_path: str, plane: RolloutPlane) -> dict[str,
             os.chmod(root, 0o711)  # commands may run as another user (nobody, when Miles runs as root)
             run.closing.callback(shutil.rmtree, root, ignore_errors=True)
             factory = functools.partial(factory, workspace_root=root)
-        if "run_id" in inspect.signature(factory).parameters and "run_id" not in factory.keywords:
+        hosted = isinstance(factory.func, type) and issubclass(factory.func, RemoteSandbox)
+        if (hosted or "run_id" in inspect.signature(factory).parameters) and "run_id" not in factory.keywords:
             # Hosted sandboxes are tagged with the run, so that `miles sandbox gc` finds what a killed run left.
             factory = functools.partial(factory, run_id=f"{run.run_dir.name}-{uuid.uuid4().hex[:8]}")
         parts["sandbox"] = factory

@@ -567,7 +567,7 @@ class EnvConformance:
             tool=lambda name: resolve_tool(self._registry, name, "rollout.env.tools"))
         return ctx, made
 
-    def _episodes(self, count: int, fail: dict[int, int] | None = None) -> tuple[list[Sample], list[_WatchedEnv]]:
+    def run_episodes(self, count: int, fail: dict[int, int] | None = None) -> tuple[list[Sample], list[_WatchedEnv]]:
         """Run ``count`` episodes at once (episode ``i``'s env fails at step ``fail[i]``); wait until no
         other task of the loop is left, and return the samples and the envs."""
         import asyncio
@@ -624,7 +624,7 @@ class EnvConformance:
         return children
 
     def test_an_episode_runs_to_done_with_a_reward(self) -> None:
-        (sample,), (env,) = self._episodes(1)
+        (sample,), (env,) = self.run_episodes(1)
         self._check_finished(sample, 0)
         assert env.steps >= self.min_steps and env.closes == 1
 
@@ -658,7 +658,7 @@ class EnvConformance:
         assert isinstance(result.info, dict)
 
     def test_concurrent_episodes(self) -> None:
-        samples, envs = self._episodes(self.episodes)
+        samples, envs = self.run_episodes(self.episodes)
         for i, sample in enumerate(samples):
             self._check_finished(sample, i)
         assert [env.closes for env in envs] == [1] * self.episodes
@@ -667,7 +667,7 @@ class EnvConformance:
         from miles.types import SampleStatus
 
         broken = self.episodes // 2
-        samples, envs = self._episodes(self.episodes, fail={broken: 2 if self.min_steps >= 2 else 1})
+        samples, envs = self.run_episodes(self.episodes, fail={broken: 2 if self.min_steps >= 2 else 1})
         assert samples[broken].status is SampleStatus.FAILED
         assert "injected failure" in (samples[broken].reason or ""), samples[broken].reason
         for i, sample in enumerate(samples):
@@ -677,6 +677,6 @@ class EnvConformance:
 
     def test_nothing_is_left_running(self) -> None:
         before = self._children()
-        self._episodes(4, fail={1: 1})
+        self.run_episodes(4, fail={1: 1})
         assert self.leftovers() == [], "the env's service still holds something after every env closed"
         assert not (self._children() - before), "a process an env started outlived its episode"

@@ -561,6 +561,25 @@ def test_an_agent_that_cannot_be_called_is_a_config_error():
         prepare(DOCS.parent.parent / "configs" / "quickstart.yaml", ['rollout.fn={name: agent, agent: "nope:solve"}'])
 
 
+async def picky_agent(base_url, sample, retries=1):
+    return 1.0
+
+
+def _check_picky(args):
+    if args.get("retries", 1) < 0:
+        raise ValueError(f"retries: expected an integer >= 0, got {args['retries']}")
+
+
+picky_agent.check_args = _check_picky
+
+
+def test_an_agent_s_own_check_args_sees_its_arguments_at_validation():
+    node = {"name": "agent", "agent": f"{__name__}:picky_agent"}
+    make_registry().build("rollout_fn", {**node, "retries": 2}, "rollout.fn")
+    with pytest.raises(ConfigError, match="retries: expected an integer >= 0, got -1"):
+        make_registry().build("rollout_fn", {**node, "retries": -1}, "rollout.fn")
+
+
 # -- the guide -------------------------------------------------------------------------------------
 
 

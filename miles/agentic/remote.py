@@ -19,6 +19,7 @@ import os
 import shlex
 import time
 import uuid
+import weakref
 from typing import Any, ClassVar
 
 from miles.agentic.types import ExecResult
@@ -54,11 +55,11 @@ class RemoteSandbox:
     service_url_env: ClassVar[str | None] = None  # the SDK's variable for the service's address, for messages
 
     _live: ClassVar[dict[str, RemoteSandbox]]  # per subclass: id(self) -> sandbox, while it may exist
-    _slots: ClassVar[dict[Any, asyncio.Semaphore]]  # per subclass and event loop
+    _slots: ClassVar[weakref.WeakKeyDictionary]  # per subclass and event loop: a Semaphore
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._live, cls._slots = {}, {}
+        cls._live, cls._slots = {}, weakref.WeakKeyDictionary()
 
     def __init__(self, *, run_id: str | None = None, workdir: str | None = None, create_retries: int = 3,
                  backoff_s: float = 1.0, create_timeout_s: float = 120.0, connect_timeout_s: float = CONNECT_TIMEOUT_S,
@@ -228,8 +229,12 @@ class RemoteSandbox:
                     errors.append(f"{type(exc).__name__}: {exc}")
                     continue
                 folders = sorted({self.workdir, self.cwd, *self.mounts})
-                await self._call("exec", self._exec(self._handle, "mkdir -p " + " ".join(map(shlex.quote, folders)),
-                                                    cwd="/", timeout_s=self.connect_timeout_s))
+                _, stderr, code, _ = await self._call("exec", self._exec(
+                    self._handle, "mkdir -p " + " ".join(map(shlex.quote, folders)), cwd="/",
+                    timeout_s=self.connect_timeout_s))
+                if code != 0:
+                    raise RuntimeError(f"{self.provider}: cannot make the folders {folders} in the new sandbox "
+                                       f"(exit code {code}): {stderr.strip()}")
                 return self._handle
         except BaseException:
             if self._handle is None:  # a create the provider finished after we gave up on it
@@ -266,7 +271,8 @@ class RemoteSandbox:
         try:
             return await asyncio.wait_for(call, timeout_s)
         except asyncio.TimeoutError:
-            where = os.environ.get(cls.service_url_env or "", "") or f"the {cls.provider} service"
+            url = os.environ.get(cls.service_url_env or "", "")
+            where = f"{url}, from {cls.service_url_env}" if url else f"the {cls.provider} service"
             raise TimeoutError(f"{cls.provider}: could not {what} within {timeout_s:g} s ({where})") from None
 
     def _path(self, path: str) -> str:

@@ -44,14 +44,19 @@ class Agent:
 
     def __init__(self, agent: str, **agent_args: Any) -> None:
         self.path, self.agent_args = agent, agent_args
-        self.fn = _load(agent, agent_args)
+        self.fn = self.check_args({"agent": agent, **agent_args})
         self._servers: dict[tuple[asyncio.AbstractEventLoop, int], _Shared] = {}
 
     @staticmethod
-    def check_args(args: dict[str, Any]) -> None:
-        """Config validation: the agent imports, is an async function and takes the node's other arguments."""
+    def check_args(args: dict[str, Any]) -> Callable[..., Any]:
+        """Config validation: the agent imports, is an async function and takes the node's other arguments,
+        and its own ``check_args(agent_args)``, when it has one, accepts them (a ValueError names what is wrong)."""
         args = dict(args)
-        _load(args.pop("agent"), args)
+        fn = _load(args.pop("agent"), args)
+        check = getattr(fn, "check_args", None)
+        if callable(check):
+            check(args)
+        return fn
 
     async def __call__(self, sample: Sample, ctx: RolloutContext) -> Sample:
         key = (asyncio.get_running_loop(), id(ctx))

@@ -3,6 +3,8 @@ steps in the trajectory's local sandbox, and envs that break the contract, which
 
 import functools
 import json
+import os
+import signal
 
 import pytest
 
@@ -113,8 +115,21 @@ def test_the_harness_catches_an_env_that_breaks_the_contract(broken, check, mess
     with pytest.raises(AssertionError, match=message):
         getattr(case, check)()
     for pid in EnvConformance._children():  # the leaked sleep
-        import os
-        import signal
-
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def test_an_env_knows_the_rollout_s_turn_limit(chat_model_dir):
+    seen = []
+
+    class Recording(TestCountdown):
+        max_turns = 5
+
+        def make_env(self, ctx):
+            seen.append(ctx.max_turns)
+            return Countdown(ctx)
+
+    case = Recording()
+    case.set_up_harness(chat_model_dir)
+    case.run_episodes(2)
+    assert seen == [5, 5]

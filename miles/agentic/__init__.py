@@ -3,5 +3,13 @@
 from miles.agentic.remote import PermanentError, RemoteSandbox
 from miles.agentic.types import Action, EnvContext, ExecResult, Message, StepResult, Tool, ToolCall, ToolResult, tool
 
-__all__ = ["Action", "EnvContext", "ExecResult", "Message", "PermanentError", "RemoteSandbox", "StepResult", "Tool",
-           "ToolCall", "ToolResult", "tool"]
+__all__ = ["Action", "EnvContext", "ExecResult", "LocalSandbox", "Message", "PermanentError", "RemoteSandbox",
+           "StepResult", "Tool", "ToolCall", "ToolResult", "tool"]
+
+
+def __getattr__(name: str):
+    if name == "LocalSandbox":  # the builtin `local` sandbox, for plugins that run commands on this machine
+        from miles.builtin.sandboxes import LocalSandbox
+
+        return LocalSandbox
+    raise AttributeError(f"module 'miles.agentic' has no attribute {name!r}")

@@ -77,11 +77,14 @@ class EnvContext:
 
     ``sandbox`` is this trajectory's sandbox (opened on first use, closed with the env) or None when
     ``rollout.sandbox`` is not set; ``tool(name)`` finds a registered tool (or an import path).
+    ``max_turns`` is the rollout function's limit of policy turns (None: none): the step of that turn is
+    the env's last, so an env that scores at the end (runs a verifier) does it then.
     """
 
     sandbox_factory: Callable[[], Any] | None = None
     tool: Callable[[str], "Tool"] | None = None
     seed: int = 0
+    max_turns: int | None = None
     _sandbox: Any = field(default=None, repr=False)
 
     @property

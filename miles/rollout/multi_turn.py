@@ -70,7 +70,7 @@ class MultiTurn:
         keep = False
         try:
             if trajectory is None:
-                env_ctx = EnvContext(ctx.sandbox, ctx.tool, ctx.seed)
+                env_ctx = EnvContext(ctx.sandbox, ctx.tool, ctx.seed, max_turns=self.max_turns)
                 try:
                     trajectory = _Trajectory(ctx.env(env_ctx), env_ctx)
                 except BaseException:

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackendConformance", "build_chat_model", "build_tiny_model", "chat_model_dir", "make_registry", "make_sample", "make_train_batch", "tiny_model_dir",
-    "miles_registry", "MILES_WITH_CTRL_C", "SandboxConformance", "EnvConformance", "ScriptedPolicy",
+    "miles_registry", "MILES_WITH_CTRL_C", "SandboxConformance", "EnvConformance", "ScriptedPolicy", "CHAT_ALPHABET",
+    "CHAT_TOKENIZER",
 ]
 
 # The `miles` command line, to run with subprocess, with Ctrl-C restored: a shell without job control starts
@@ -503,7 +504,8 @@ class EnvConformance:
 
     Episodes run through Miles' real ``multi_turn`` rollout function with a :class:`ScriptedPolicy` in place
     of the engine (the policy is the test's input here; the env is what is checked) and the tiny chat
-    tokenizer of the ``chat_model_dir`` fixture (``pytest_plugins = ["miles.testing"]`` in your conftest).
+    tokenizer of the ``chat_model_dir`` fixture (``from miles.testing import chat_model_dir`` in your
+    ``conftest.py``; ``pytest_plugins`` works only in a repository's top conftest).
     """
 
     min_steps: int = 2  # the scripted policy's episodes take at least this many env steps

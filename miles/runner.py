@@ -227,13 +227,25 @@ def _agentic_parts(run: _Run, model_path: str, plane: RolloutPlane) -> dict[str,
             tag = f" (tagged miles-run={factory.keywords['run_id']})" if "run_id" in factory.keywords else ""
             print(f"rollout.sandbox: {describe(**factory.keywords)}{tag}", file=sys.stderr)
         if hasattr(sandbox_cls, "close_all"):  # what is still open at the end, on failure or Ctrl-C
-            run.closing.callback(lambda: plane.run(sandbox_cls.close_all()))
+            run.closing.callback(_close_sandboxes, plane, sandbox_cls, factory.keywords.get("run_id"))
         if hasattr(sandbox_cls, "preflight"):  # an unreachable service fails the start, in bounded time
             try:
                 plane.run(sandbox_cls.preflight(**factory.keywords))
             except Exception as exc:
                 raise RunError(f"rollout.sandbox ({p.config.rollout.sandbox.name}): {exc}") from exc
     return parts
+
+
+def _close_sandboxes(plane: RolloutPlane, sandbox_cls: type, run_id: str | None) -> None:
+    """Delete the run's sandboxes still open, being created, or whose delete was cut short (Ctrl-C can stop
+    the rollouts' event loop in the middle of their clean-up). With the run's id the run is over for the
+    sandbox class: on a remote plane the rollouts still run on the plane's loop until it closes, and none of
+    them creates a sandbox after this. A failure is reported, not raised: the rest of the closing goes on."""
+    by_run = run_id is not None and "run_id" in inspect.signature(sandbox_cls.close_all).parameters
+    try:
+        plane.run(sandbox_cls.close_all(**({"run_id": run_id} if by_run else {})))
+    except Exception as exc:
+        print(f"miles: warning: rollout.sandbox: {exc}", file=sys.stderr)
 
 
 def _engine_rng(plane: RolloutPlane) -> list[Any]:

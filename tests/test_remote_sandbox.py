@@ -30,6 +30,9 @@ class StandInProvider:
         self.create_gate: asyncio.Event | None = None  # creates wait for it (after registering the sandbox)
         self.create_started: asyncio.Event | None = None
         self.fail_exec = False
+        self.hold_lists = 0  # the next N lists wait until cancelled
+        self.list_held = asyncio.Event()
+        self.fail_deletes = 0  # the next N deletes answer with a transient error
 
     async def create(self, labels):
         self.creates += 1
@@ -46,7 +49,17 @@ class StandInProvider:
             await self.create_gate.wait()
         return sandbox_id
 
+    async def list(self, labels):
+        if self.hold_lists:
+            self.hold_lists -= 1
+            self.list_held.set()
+            await asyncio.Event().wait()
+        return [i for i, (_, have) in self.sandboxes.items() if labels.items() <= have.items()]
+
     async def delete(self, sandbox_id):
+        if self.fail_deletes:
+            self.fail_deletes -= 1
+            raise ConnectionError("503 Service Unavailable")
         sandbox, _ = self.sandboxes.pop(sandbox_id)
         await sandbox.close()
 
@@ -79,7 +92,7 @@ class StandInSandbox(RemoteSandbox):
 
     @classmethod
     async def _list(cls, labels):
-        return [i for i, (_, have) in PROVIDER.sandboxes.items() if labels.items() <= have.items()]
+        return await PROVIDER.list(labels)
 
     @classmethod
     async def _delete_id(cls, sandbox_id):
@@ -189,6 +202,68 @@ def test_close_all_deletes_every_open_sandbox_and_a_create_under_way(provider):
 
     assert asyncio.run(main()) == 3
     assert provider.sandboxes == {}
+
+
+def test_a_create_cut_short_whose_clean_up_is_cut_short_too_is_deleted_by_close_all(provider):
+    """Ctrl-C while a create's answer is on its way: the trajectory's close cancels the create, whose clean-up
+    (a delete by the sandbox's tags) is cancelled in turn when asyncio.run ends and cancels every task left;
+    close_all, run afterwards on a new event loop as the runner does, deletes the sandbox by its tags."""
+    provider.create_gate, provider.create_started = asyncio.Event(), asyncio.Event()
+    provider.hold_lists = 1
+
+    async def trajectory(sandbox):
+        try:
+            await sandbox.run("true", timeout_s=10)
+        finally:
+            await sandbox.close()
+
+    async def main():
+        task = asyncio.ensure_future(trajectory(StandInSandbox(run_id="cut-short")))
+        await provider.create_started.wait()  # created there, not yet answered here
+        task.cancel()
+        await provider.list_held.wait()  # its clean-up is under way; returning cancels it
+
+    asyncio.run(main())
+    assert len(provider.sandboxes) == 1 and len(StandInSandbox._live) == 1
+    assert asyncio.run(StandInSandbox.close_all(run_id="cut-short")) == 1
+
+
+def test_close_all_of_a_run_ends_it_no_sandbox_of_it_is_created_afterwards(provider):
+    async def main():
+        first, waiting = (StandInSandbox(run_id="ending", max_concurrent=1) for _ in range(2))
+        await first.run("true", timeout_s=10)
+        blocked = asyncio.ensure_future(waiting.run("true", timeout_s=10))  # waits for first's slot
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert await StandInSandbox.close_all(run_id="ending") == 1
+        with pytest.raises(RuntimeError, match="run ending is closing"):
+            await blocked  # it got the slot after close_all began
+        with pytest.raises(RuntimeError, match="run ending is closing"):
+            await StandInSandbox(run_id="ending").run("true", timeout_s=10)
+        other = StandInSandbox(run_id="another")  # another run's sandboxes open as before
+        try:
+            return await other.run("echo other", timeout_s=10)
+        finally:
+            await other.close()
+            await waiting.close()
+
+    assert asyncio.run(main()).stdout == "other\n"
+    assert provider.creates == 2
+
+
+def test_a_delete_that_fails_is_reported_and_retried_by_the_next_close_all(provider):
+    async def main():
+        sandbox = StandInSandbox(run_id="failing-delete")
+        await sandbox.run("true", timeout_s=10)
+        provider.fail_deletes = 1
+        with pytest.raises(RuntimeError, match=r"standin: could not delete 1 of 1 sandboxes \(ConnectionError: 503 "
+                                               r"Service Unavailable\); `miles sandbox gc` finds them by their tag "
+                                               r"miles-run=failing-delete"):
+            await StandInSandbox.close_all()
+        assert len(provider.sandboxes) == 1  # still recorded, so:
+        return await StandInSandbox.close_all()
+
+    assert asyncio.run(main()) == 1
 
 
 def test_gc_deletes_what_a_killed_run_left_by_its_tags(provider):

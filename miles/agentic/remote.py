@@ -8,13 +8,20 @@ write, read, delete, list and delete by id, probe). The base makes the rest the 
 - a limit on live sandboxes per provider in this process (``max_concurrent``; the next one waits);
 - outputs capped like the local sandbox's, a working folder made on create, ``mounts`` made as folders;
 - every sandbox tagged ``miles=1`` and ``miles-run=<run id>`` and given a provider-side lifetime, recorded
-  while it lives, and deleted on close, when its creation fails half way, and by :meth:`close_all`
-  (the run's end, a failure, Ctrl-C); :meth:`gc` deletes what a killed run left behind, found by its tags.
+  from the moment its create is sent until it is deleted, and deleted on close, when its creation fails half
+  way, and by :meth:`close_all` (the run's end, a failure, Ctrl-C); :meth:`gc` deletes what a killed run left
+  behind, found by its tags.
+
+A create cut short before its answer came (Ctrl-C, a trajectory's time limit) may still have made a sandbox:
+it is deleted by its tags. A delete that fails or is cut short (a second Ctrl-C, the event loop shutting down)
+leaves the sandbox recorded, so that a later close or :meth:`close_all`, on any event loop, tries again;
+``close_all(run_id=...)`` also ends the run: no sandbox of it is created afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
 import time
@@ -56,10 +63,11 @@ class RemoteSandbox:
 
     _live: ClassVar[dict[str, RemoteSandbox]]  # per subclass: id(self) -> sandbox, while it may exist
     _slots: ClassVar[weakref.WeakKeyDictionary]  # per subclass and event loop: a Semaphore
+    _ended_runs: ClassVar[set[str]]  # per subclass: runs whose close_all began; none of their sandboxes opens
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._live, cls._slots = {}, weakref.WeakKeyDictionary()
+        cls._live, cls._slots, cls._ended_runs = {}, weakref.WeakKeyDictionary(), set()
 
     def __init__(self, *, run_id: str | None = None, workdir: str | None = None, create_retries: int = 3,
                  backoff_s: float = 1.0, create_timeout_s: float = 120.0, connect_timeout_s: float = CONNECT_TIMEOUT_S,
@@ -75,9 +83,11 @@ class RemoteSandbox:
         self.create_timeout_s, self.connect_timeout_s = create_timeout_s, connect_timeout_s
         self.max_concurrent, self.lifetime_s, self.output_bytes = max_concurrent, lifetime_s, output_bytes
         self.mounts, self.cwd = tuple(mounts), cwd or self.workdir
-        self._handle: Any = None
+        self._handle: Any = None  # the provider's sandbox, from its create's answer until it is deleted
+        self._labels: dict[str, str] | None = None  # its tags, from the moment its create is sent
         self._opening: asyncio.Task | None = None
-        self._slot: asyncio.Semaphore | None = None
+        self._releasing: asyncio.Task | None = None  # the delete under way
+        self._slot: asyncio.Semaphore | None = None  # the slot it holds, while it holds one
         self._closed = False
 
     # -- what Miles calls ----------------------------------------------------------------------------
@@ -100,19 +110,33 @@ class RemoteSandbox:
         return await self._call("read", self._read(await self._open(), self._path(path)))
 
     async def close(self) -> None:
-        """Delete the sandbox (idempotent; a creation still under way is cancelled and cleaned up)."""
+        """Delete the sandbox (idempotent; a creation still under way is cancelled and cleaned up). Should
+        the delete fail or be cut short, the sandbox stays recorded and the next close or close_all retries."""
         self._closed = True
         opening, self._opening = self._opening, None
-        if opening is not None and not opening.done():
+        if opening is not None and not opening.done() and opening.get_loop() is asyncio.get_running_loop():
             opening.cancel()
-            await asyncio.gather(opening, return_exceptions=True)
+            await asyncio.wait({opening})  # its clean-up is not cancelled again should this close be
         await self._release()
 
     @classmethod
-    async def close_all(cls) -> int:
-        """Delete every sandbox of this provider still open in this process; how many there were."""
-        live = list(cls._live.values())
-        await asyncio.gather(*(sandbox.close() for sandbox in live), return_exceptions=True)
+    async def close_all(cls, run_id: str | None = None) -> int:
+        """Delete every sandbox of this provider open in this process or being created, of run ``run_id``
+        only when given; how many there were. With ``run_id`` the run is over: a sandbox of it that is not
+        open yet never opens (its first use raises), so none is created after this began, whatever its
+        trajectories still do. A RuntimeError names the sandboxes that could not be deleted (all are tried)."""
+        if run_id is not None:
+            cls._ended_runs.add(run_id)
+        live = [sandbox for sandbox in cls._live.values() if run_id is None or sandbox.run_id == run_id]
+        results = await asyncio.gather(*(sandbox.close() for sandbox in live), return_exceptions=True)
+        left = [sandbox for sandbox in live if str(id(sandbox)) in cls._live]
+        if left:
+            errors = [f"{type(r).__name__}: {r}" if str(r) else type(r).__name__
+                      for r in results if isinstance(r, BaseException)]
+            runs = ", ".join(sorted({sandbox.run_id for sandbox in left}))
+            raise RuntimeError(f"{cls.provider}: could not delete {len(left)} of {len(live)} sandboxes "
+                               f"({'; '.join(dict.fromkeys(errors)) or 'no error'}); `miles sandbox gc` finds "
+                               f"them by their tag miles-run={runs}")
         return len(live)
 
     @classmethod
@@ -202,18 +226,31 @@ class RemoteSandbox:
     async def _open(self) -> Any:
         if self._closed:
             raise RuntimeError(f"this {self.provider} sandbox is closed")
-        if self._handle is not None:
-            return self._handle
         if self._opening is None:
+            self._check_run()
             self._opening = asyncio.ensure_future(self._create_with_retries())
-        return await asyncio.shield(self._opening)
+        return await asyncio.shield(self._opening)  # the handle, once created (a failed create raises again)
+
+    def _check_run(self) -> None:
+        if self.run_id in type(self)._ended_runs:
+            raise RuntimeError(f"run {self.run_id} is closing: its {self.provider} sandboxes were deleted "
+                               f"and no new one is created")
 
     async def _create_with_retries(self) -> Any:
         loop = asyncio.get_running_loop()
-        self._slot = type(self)._slots.setdefault(loop, asyncio.Semaphore(self.max_concurrent))
-        await self._slot.acquire()
-        type(self)._live[str(id(self))] = self  # from here on, _release gives the slot back
+        slot = type(self)._slots.setdefault(loop, asyncio.Semaphore(self.max_concurrent))
+        await slot.acquire()
+        self._slot = slot
+        try:
+            self._check_run()  # the run may have ended while this waited for a slot
+        except RuntimeError:
+            self._free_slot()
+            raise
+        # From here on (no await in between) the sandbox may exist: recorded with its tags, so that _release
+        # deletes it by them should its create be cut short, and gives the slot back.
         labels = {"miles": "1", "miles-run": self.run_id, "miles-sandbox": uuid.uuid4().hex[:12]}
+        self._labels = labels
+        type(self)._live[str(id(self))] = self
         errors: list[str] = []
         try:
             for attempt in range(self.create_retries + 1):
@@ -236,32 +273,63 @@ class RemoteSandbox:
                     raise RuntimeError(f"{self.provider}: cannot make the folders {folders} in the new sandbox "
                                        f"(exit code {code}): {stderr.strip()}")
                 return self._handle
-        except BaseException:
-            if self._handle is None:  # a create the provider finished after we gave up on it
-                await self._delete_tagged(labels)
-            await self._release()
+        except asyncio.CancelledError:
+            # Cut short (a close, Ctrl-C, a time limit), maybe after the provider made the sandbox: delete it by
+            # its handle, or by its tags when the answer never came. Should that fail or be cut short too, the
+            # sandbox stays recorded: the close that cancelled this, or close_all, tries again.
+            with contextlib.suppress(Exception):
+                await self._release()
             raise
-        await self._delete_tagged(labels)  # an attempt that timed out here may have finished there
-        await self._release()
+        except BaseException:
+            await self._give_up()  # e.g. the folders could not be made: the sandbox is deleted, the error raised
+            raise
+        await self._give_up()  # an attempt that timed out here may have finished there
         raise RuntimeError(f"{self.provider}: could not create a sandbox in {len(errors)} attempt(s): "
                            + "; ".join(dict.fromkeys(errors)))
 
-    async def _delete_tagged(self, labels: dict[str, str]) -> None:
-        """Delete what a failed or cancelled create may have left (best effort: gc catches the rest)."""
+    async def _give_up(self) -> None:
+        """After a failed create: delete what it may have made, best effort (the create's error is the one to
+        report, and when the service cannot be reached now, ``gc`` finds the leftovers by their tags)."""
         try:
-            for sandbox_id in await self._bounded(self._list(labels), self.connect_timeout_s, "list sandboxes"):
-                await self._bounded(self._delete_id(sandbox_id), self.connect_timeout_s, "delete a sandbox")
+            await self._release()
         except Exception:
-            pass
+            self._handle = self._labels = None
+            type(self)._live.pop(str(id(self)), None)
 
     async def _release(self) -> None:
-        handle, self._handle = self._handle, None
+        """Delete the sandbox if one may exist and give its slot back. A delete under way (another close's)
+        is waited for, and redone should it have failed; the deleting runs in a task of its own, which a
+        cancelled caller does not stop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            releasing = self._releasing
+            if releasing is not None and not releasing.done() and releasing.get_loop() is loop:
+                await asyncio.wait({releasing})
+                continue
+            if str(id(self)) not in type(self)._live:
+                return  # deleted, or never created
+            self._releasing = releasing = asyncio.ensure_future(self._delete_recorded())
+            return await asyncio.shield(releasing)
+
+    async def _delete_recorded(self) -> None:
+        """Delete the recorded sandbox: by its handle, or by its tags when its create's answer never came.
+        Only once that succeeded is it forgotten; its slot is given back whatever happens."""
         try:
-            if handle is not None:
-                await self._bounded(self._delete(handle), self.connect_timeout_s, "delete the sandbox")
+            if self._handle is not None:
+                await self._bounded(self._delete(self._handle), self.connect_timeout_s, "delete the sandbox")
+            elif self._labels is not None:
+                for sandbox_id in await self._bounded(self._list(self._labels), self.connect_timeout_s,
+                                                      "list sandboxes"):
+                    await self._bounded(self._delete_id(sandbox_id), self.connect_timeout_s, "delete a sandbox")
         finally:
-            if type(self)._live.pop(str(id(self)), None) is not None and self._slot is not None:
-                self._slot.release()
+            self._free_slot()
+        self._handle = self._labels = None
+        type(self)._live.pop(str(id(self)), None)
+
+    def _free_slot(self) -> None:
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            slot.release()
 
     async def _call(self, what: str, call: Any, timeout_s: float | None = None) -> Any:
         return await self._bounded(call, timeout_s or self.connect_timeout_s, what)

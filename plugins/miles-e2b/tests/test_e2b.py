@@ -284,7 +284,11 @@ def test_gc_deletes_what_a_killed_run_left_and_nothing_else(e2b):
 
     other, theirs = asyncio.run(others())
     [other_id] = [box for box in e2b.live() if box not in left and box != theirs]
-    assert set(asyncio.run(E2BSandbox.gc(run_id=run_id))) == left  # what `miles sandbox gc e2b --run ID` calls
+    gc = subprocess.run([sys.executable, "-m", "miles", "sandbox", "gc", "e2b", "--run", run_id], env=miles_env(e2b),
+                        capture_output=True, text=True, timeout=120)
+    assert gc.returncode == 0, gc.stderr
+    assert gc.stdout.startswith(f"deleted {len(left)} e2b sandbox(es) tagged by run {run_id}")
+    assert set(gc.stdout.split()[-len(left):]) == left
     assert set(e2b.live()) == {other_id, theirs}
     assert asyncio.run(E2BSandbox.gc()) == [other_id]  # every Miles run's sandboxes, not someone else's
     assert e2b.live() == [theirs]

@@ -1,0 +1,1 @@
+"""The verifiers side of miles-verifiers (runs in the verifiers venv, imports no Miles code)."""

@@ -42,7 +42,7 @@ def wait_dead(pid):
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     return
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone, also between the open and the read
             return
         time.sleep(0.01)
 

@@ -1,9 +1,9 @@
 """Agentic rollouts: environments, tools and tool parsers, sandboxes, token-exact chat turns."""
 
 from miles.agentic.remote import PermanentError, RemoteSandbox
-from miles.agentic.types import Action, EnvContext, ExecResult, Message, StepResult, Tool, ToolCall, ToolResult, tool
+from miles.agentic.types import CUT_MARKER, Action, EnvContext, ExecResult, Message, StepResult, Tool, ToolCall, ToolResult, tool
 
-__all__ = ["Action", "EnvContext", "ExecResult", "LocalSandbox", "Message", "PermanentError", "RemoteSandbox",
+__all__ = ["CUT_MARKER", "Action", "EnvContext", "ExecResult", "LocalSandbox", "Message", "PermanentError", "RemoteSandbox",
            "StepResult", "Tool", "ToolCall", "ToolResult", "tool"]
 
 

@@ -29,12 +29,11 @@ import uuid
 import weakref
 from typing import Any, ClassVar
 
-from miles.agentic.types import ExecResult
+from miles.agentic.types import CUT_MARKER, ExecResult
 
 __all__ = ["PermanentError", "RemoteSandbox", "RUN_ID_ENV"]
 
 RUN_ID_ENV = "MILES_RUN_ID"  # the run id tags default to, when the runner did not pass one
-CUT_MARKER = "\n[... {} more bytes cut]"
 CALL_GRACE_S = 30.0  # how much longer than a command's own timeout its provider call may take
 CONNECT_TIMEOUT_S = 10.0  # gc's and the default preflight's limit per call
 
@@ -142,10 +141,15 @@ class RemoteSandbox:
     @classmethod
     async def gc(cls, run_id: str | None = None) -> list[str]:
         """Delete the provider's sandboxes tagged by run ``run_id`` (None: by any Miles run); their ids."""
-        labels = {"miles": "1", **({"miles-run": run_id} if run_id else {})}
-        ids = await cls._bounded(cls._list(labels), CONNECT_TIMEOUT_S, "list sandboxes")
+        return await cls._delete_labelled({"miles": "1", **({"miles-run": run_id} if run_id else {})},
+                                          CONNECT_TIMEOUT_S)
+
+    @classmethod
+    async def _delete_labelled(cls, labels: dict[str, str], timeout_s: float) -> list[str]:
+        """Delete the provider's sandboxes carrying all of ``labels``, each call within ``timeout_s``; their ids."""
+        ids = await cls._bounded(cls._list(labels), timeout_s, "list sandboxes")
         for sandbox_id in ids:
-            await cls._bounded(cls._delete_id(sandbox_id), CONNECT_TIMEOUT_S, f"delete sandbox {sandbox_id}")
+            await cls._bounded(cls._delete_id(sandbox_id), timeout_s, f"delete sandbox {sandbox_id}")
         return ids
 
     @classmethod
@@ -318,9 +322,7 @@ class RemoteSandbox:
             if self._handle is not None:
                 await self._bounded(self._delete(self._handle), self.connect_timeout_s, "delete the sandbox")
             elif self._labels is not None:
-                for sandbox_id in await self._bounded(self._list(self._labels), self.connect_timeout_s,
-                                                      "list sandboxes"):
-                    await self._bounded(self._delete_id(sandbox_id), self.connect_timeout_s, "delete a sandbox")
+                await self._delete_labelled(self._labels, self.connect_timeout_s)
         finally:
             self._free_slot()
         self._handle = self._labels = None

@@ -36,7 +36,7 @@ from typing import Any
 from pathlib import PurePosixPath
 
 from miles import hookimpl
-from miles.agentic.types import ExecResult
+from miles.agentic.types import CUT_MARKER, ExecResult
 
 __all__ = ["ISOLATIONS", "LocalSandbox", "describe_isolation"]
 
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 ISOLATIONS = ("auto", "bwrap", "subprocess")
 NOBODY = 65534  # the uid and gid commands run as when Miles runs as root
-CUT_MARKER = "\n[... {} more bytes cut]"
 DRAIN_GRACE_S = 2.0  # how long a run waits for its output pipes to close after its processes are killed
 _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: a child between fork and exec must not dlsym

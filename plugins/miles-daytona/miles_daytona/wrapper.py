@@ -29,9 +29,10 @@ import binascii
 import secrets
 import textwrap
 
+from miles.agentic import CUT_MARKER
+
 __all__ = ["cut", "parse_answer", "script"]
 
-CUT_MARKER = "\n[... {} more bytes cut]"  # as Miles' own sandboxes mark a cut output
 
 _SCRIPT = """\
 /bin/sh <<'MILES_SCRIPT'

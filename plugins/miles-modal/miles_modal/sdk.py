@@ -18,11 +18,12 @@ import modal
 import modal.config
 import modal.exception
 
+from miles.agentic import CUT_MARKER
+
 __all__ = ["APP_NAME", "PERMANENT_ERRORS", "create", "exec_command", "list_ids", "missing_credentials",
            "probe", "read", "server_url", "terminate", "terminate_id", "write"]
 
 APP_NAME = "miles-sandboxes"  # the Modal app every Miles sandbox belongs to (gc lists the sandboxes of this app)
-CUT_MARKER = "\n[... {} more bytes cut]"  # as the local sandbox marks a cut output
 EXEC_TIMED_OUT = -1  # the SDK's exit code for an exec that ran past its ``timeout``
 
 # What retrying cannot fix: bad or missing credentials, a workspace without the right, an invalid request

@@ -17,9 +17,9 @@ from miles.rollout.data_source import Prompt, PromptSource
 from miles.rollout.generate import make_groups, run_rollouts
 from miles.rollout.reward import score_samples
 from miles.train.regularizers import kl_estimate
-from miles.types import Sample, SampleStatus, TrainBatch
+from miles.types import Group, Sample, SampleStatus, TrainBatch
 
-__all__ = ["Components", "rl_step", "sft_step", "evaluate"]
+__all__ = ["Components", "rl_step", "sft_step", "evaluate", "rollout_metrics", "train_groups", "push_weights", "finish_step"]
 
 
 @dataclass
@@ -60,6 +60,7 @@ def _check_failures(step: int, samples: list[Sample], max_failed_frac: float) ->
 
 
 def rl_step(c: Components, step: int) -> dict[str, float]:
+    """One synchronous step: generate and select the step's groups, train on them, push the new weights."""
     start = time.perf_counter()
     failed: list[int] = []
 
@@ -68,21 +69,30 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
 
     prefill_before = c.plane.prefill_counts()
     collected = c.collector.collect(c.train_data, c.rollout_fn, c.rollout_ctx, c.reward_fn, check)
-    samples, kept = collected.samples, collected.groups
-    rollout_s = time.perf_counter() - start
-    # Prompt tokens this step's requests asked the engines to prefill, and those their prefix caches spared.
-    requested, computed = (max(0, after - before) for after, before in zip(c.plane.prefill_counts(), prefill_before))
-    c.pm.hook.miles_rollout_end(step=step, groups=kept)
+    metrics = rollout_metrics(c, collected, time.perf_counter() - start, prefill_before, sum(failed))
+    c.pm.hook.miles_rollout_end(step=step, groups=collected.groups)
+    train_groups(c, step, collected.groups, metrics, lambda: push_weights(c, step))
+    return finish_step(c, metrics, start)
 
+
+def rollout_metrics(c: Components, collected: Any, rollout_s: float, prefill_before: tuple[int, int],
+                    failed: int, prefill_after: tuple[int, int] | None = None) -> dict[str, float]:
+    """The rollout side of a step's metrics: ``collected.samples`` are the samples generated for it (each
+    counted once), ``collected.groups`` those kept for training; ``rollout_s`` the time the step waited for them.
+    ``prefill_before``/``_after``: the engines' prefill counts around the generation (after: now, by default)."""
+    samples = collected.samples
+    # Prompt tokens this step's requests asked the engines to prefill, and those their prefix caches spared.
+    after = prefill_after if prefill_after is not None else c.plane.prefill_counts()
+    requested, computed = (max(0, a - b) for a, b in zip(after, prefill_before))
     rewarded = [s for s in samples if s.trainable]
     response_tokens = sum(len(s.response_ids) for s in samples)
-    metrics: dict[str, float] = {
+    return {
         "reward/mean": fmean(s.scalar_reward for s in rewarded) if rewarded else float("nan"),
         "response/length_mean": fmean(len(s.response_ids) for s in samples) if samples else 0.0,
         "rollout/truncated_frac": (sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples)
                                    if samples else 0.0),
         "samples/total": len(samples),
-        "samples/failed": sum(failed),
+        "samples/failed": failed,
         **collected.metrics,
         "time/rollout_s": rollout_s,
         "rollout/tokens_per_s": response_tokens / rollout_s if rollout_s > 0 else 0.0,
@@ -90,7 +100,22 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
         **agentic_metrics(samples),
     }
 
-    train_samples = [s for g in kept for s in g.trainable_samples]
+
+def push_weights(c: Components, step: int, backend: Any = None) -> None:
+    """Send the weights trained at ``step`` (``backend``'s, by default ``c.backend``'s) to the engines as
+    version ``step + 1``."""
+    try:
+        c.transport.push(backend or c.backend, c.plane, version=step + 1)
+    except ValueError as exc:  # refused by the engines, e.g. NaN weights after a diverged step
+        raise RunError(f"step {step}: the engines refused the new weights (version {step + 1}); they keep "
+                       f"serving version {c.plane.weight_version}. {exc}") from exc
+
+
+def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[str, float],
+                 push: Callable[[], None]) -> None:
+    """Train on ``groups`` (advantages, the loss, one optimizer step) and ``push`` the new weights; adds the
+    training side of the step's metrics to ``metrics``. Nothing trained, nothing pushed."""
+    train_samples = [s for g in groups for s in g.trainable_samples]
     if c.mask_off_policy:
         for sample in train_samples:
             sample.mask_off_policy()
@@ -109,11 +134,7 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
         metrics.update(c.backend.train_step(batch, c.loss_fn))
         train_s = time.perf_counter() - train_start
         sync_start = time.perf_counter()
-        try:
-            c.transport.push(c.backend, c.plane, version=step + 1)
-        except ValueError as exc:  # refused by the engines, e.g. NaN weights after a diverged step
-            raise RunError(f"step {step}: the engines refused the new weights (version {step + 1}); they keep "
-                           f"serving version {c.plane.weight_version}. {exc}") from exc
+        push()
         sync_s = time.perf_counter() - sync_start
         metrics["train/tokens_per_s"] = int(batch.attention_mask.sum()) / train_s
     else:
@@ -121,6 +142,10 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     metrics["train/samples"] = len(train_samples)
     metrics["time/train_s"] = train_s
     metrics["time/weight_sync_s"] = sync_s
+
+
+def finish_step(c: Components, metrics: dict[str, float], start: float) -> dict[str, float]:
+    """The engines' side of the step's metrics (failures, retries since the last step) and its wall time."""
     metrics["weight_version"] = c.plane.weight_version
     if c.plane.router is not None:  # what happened to the engines since the last step's metrics
         if (error := c.plane.router.no_engine_left()) is not None:  # even if run.max_failed_frac let the step pass

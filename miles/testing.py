@@ -5,7 +5,15 @@ Use the fixtures with ``pytest_plugins = ["miles.testing"]`` in a ``conftest.py`
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,13 +32,50 @@ if TYPE_CHECKING:
 __all__ = [
     "BackendConformance", "build_chat_model", "build_tiny_model", "chat_model_dir", "make_registry", "make_sample", "make_train_batch", "tiny_model_dir",
     "miles_registry", "MILES_WITH_CTRL_C", "SandboxConformance", "EnvConformance", "ScriptedPolicy", "CHAT_ALPHABET",
-    "CHAT_TOKENIZER",
+    "CHAT_TOKENIZER", "serve_engine",
 ]
 
 # The `miles` command line, to run with subprocess, with Ctrl-C restored: a shell without job control starts
 # background commands with SIGINT ignored and a child inherits that, so a test that sends SIGINT uses this.
 MILES_WITH_CTRL_C = [sys.executable, "-c", "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
                      "runpy.run_module('miles', run_name='__main__')"]
+
+@contextlib.contextmanager
+def serve_engine(model_dir: str | Path, *args: str, timeout_s: float = 120.0) -> Iterator[str]:
+    """``miles engine serve`` for ``model_dir`` in a process of its own on a free 127.0.0.1 port (one torch
+    thread); yields its base URL once ``/health`` answers, and stops the process on exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "miles", "engine", "serve", "--model", str(model_dir),
+                                 "--port", str(port), *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"miles engine serve exited with {proc.returncode}: {log.read().decode()[-2000:]}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                        if resp.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"miles engine serve did not answer /health within {timeout_s} s")
+                time.sleep(0.05)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
 
 ADDITION_ALPHABET = "0123456789+="
 # Every printable ASCII character and a newline: enough for chat templates, JSON tool calls and Python code.

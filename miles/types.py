@@ -48,8 +48,8 @@ class Sample:
     reward: Reward | None = None
     status: SampleStatus = SampleStatus.PENDING
     reason: str = ""  # why it is truncated, aborted or failed
-    weight_versions: list[int] = field(default_factory=list)
-    off_policy_tokens: int = 0  # leading response tokens sampled by an older policy (a continued partial rollout)
+    weight_versions: list[int] = field(default_factory=list)  # the policy versions that sampled it, in order
+    off_policy_tokens: int = 0  # leading response tokens sampled by an older policy than the newest that sampled it
     turns: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -69,6 +69,23 @@ class Sample:
     def mask_off_policy(self) -> None:
         """Leave the tokens an older policy sampled (before a partial rollout was continued) out of the loss."""
         self.loss_mask[: self.off_policy_tokens] = [0] * min(self.off_policy_tokens, len(self.loss_mask))
+
+    @property
+    def start_version(self) -> int | None:
+        """The oldest policy version that sampled any of its tokens (None before the first generation)."""
+        return min(self.weight_versions) if self.weight_versions else None
+
+    def record_versions(self, start: int, meta: dict[str, Any]) -> None:
+        """Record the versions that sampled ``response_ids[start:]``, from an engine answer's ``meta_info``:
+        ``output_token_weight_versions`` (one per token, where a weight update landed mid-request) or else
+        ``weight_version``. When a newer version starts, every earlier token becomes off-policy."""
+        count = len(self.response_ids) - start
+        versions = meta.get("output_token_weight_versions") or [int(meta["weight_version"])] * max(1, count)
+        for offset, version in enumerate(int(v) for v in versions):
+            if self.weight_versions and version > max(self.weight_versions):
+                self.off_policy_tokens = start + offset
+            if not self.weight_versions or offset == 0 or version != self.weight_versions[-1]:
+                self.weight_versions.append(version)
 
     def fail(self, reason: str) -> None:
         self.status = SampleStatus.FAILED

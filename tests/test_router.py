@@ -314,14 +314,14 @@ def test_engine_killed_during_generate(rig):
     assert r.router.stats["engine_failures"] == 1 and r.router.stats["readmissions"] == 1
 
 
-@pytest.mark.parametrize("name", ["tensor", "disk", "distributed"])
+@pytest.mark.parametrize("name", ["tensor", "disk", "distributed", "shm"])
 def test_engine_killed_during_a_weight_push(rig, tmp_path, name):
-    from miles.train.weight_sync import DiskTransport, DistributedTransport, TensorTransport
+    from miles.train.weight_sync import DiskTransport, DistributedTransport, SharedMemoryTransport, TensorTransport
 
     transport = {"tensor": TensorTransport, "disk": lambda: DiskTransport(dir=str(tmp_path / "w")),
-                 "distributed": lambda: DistributedTransport(timeout_s=60)}[name]()
+                 "distributed": lambda: DistributedTransport(timeout_s=60), "shm": SharedMemoryTransport}[name]()
     path = {"tensor": "/update_weights_from_tensor", "disk": "/update_weights_from_disk",
-            "distributed": "/update_weights_from_distributed"}[name]
+            "distributed": "/update_weights_from_distributed", "shm": "/update_weights_from_shm"}[name]
     r = rig(path, transport)
     r.plane.run(r.router.wait_healthy())
     pushed = r.soon(r.push)

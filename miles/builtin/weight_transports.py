@@ -1,7 +1,9 @@
 """Builtin weight transports."""
 
 from miles import hookimpl
-from miles.train.weight_sync import AutoTransport, DiskTransport, DistributedTransport, InProcessTransport, TensorTransport
+from miles.train.weight_sync import (
+    AutoTransport, DiskTransport, DistributedTransport, InProcessTransport, SharedMemoryTransport, TensorTransport,
+)
 
 
 @hookimpl(trylast=True)
@@ -11,3 +13,4 @@ def miles_register_weight_transports(register):
     register("tensor", TensorTransport)
     register("disk", DiskTransport)
     register("distributed", DistributedTransport)
+    register("shm", SharedMemoryTransport)

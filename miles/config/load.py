@@ -14,7 +14,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from miles.config.schema import COMPONENT_NODES, MilesConfig
+from miles.config.schema import COMPONENT_NODES, structured_defaults
 from miles.errors import ConfigError
 
 __all__ = ["load_config", "parse_overrides"]
@@ -102,7 +102,7 @@ def _describe(exc: OmegaConfBaseException, key: str, value: Any, source: str, sc
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictConfig:
     """The merged config: structured defaults, then the file, then the overrides."""
-    schema = OmegaConf.structured(MilesConfig)
+    schema = structured_defaults()
     sources: list[tuple[str, DictConfig]] = []
     if path is not None:
         sources.append((str(path), _read_yaml(Path(path))))

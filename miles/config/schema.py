@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-__all__ = ["MilesConfig", "COMPONENT_NODES", "COMPONENT_LISTS"]
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+__all__ = ["MilesConfig", "AsyncConfig", "structured_defaults", "COMPONENT_NODES", "COMPONENT_LISTS"]
 
 
 def _component(name: str, **args: Any) -> Any:
@@ -91,6 +93,17 @@ class RolloutConfig:
 
 
 @dataclass
+class AsyncConfig:
+    """``rollout.async``: how the rollout plane runs ahead of training (``run.schedule`` one_step_off or async).
+    Its key is a Python keyword, so the node is added to the schema by :func:`structured_defaults`."""
+
+    max_staleness: int = 1  # no trained sample was started more than this many weight versions before the weights it trains
+    max_concurrent_samples: int = 0  # samples generating at once; 0: (max_staleness + 1) x one step's samples
+    stale: str = "drop"  # groups older than max_staleness when taken: "drop" them or "retry" (regenerate), never train
+    update: Optional[str] = None  # new weights while generating: pause | abort | in_place; null: pause (abort with partial_rollout)
+
+
+@dataclass
 class PluginsConfig:
     allow: Optional[list[str]] = None  # entry-point plugins to load; null loads all installed
 
@@ -98,6 +111,7 @@ class PluginsConfig:
 @dataclass
 class RunConfig:
     steps: int = 100  # RL steps
+    schedule: str = "sync"  # sync | one_step_off (step k+1 generates while step k trains) | async (a continuous stream)
     dir: str = "runs/default"
     seed: int = 0
     eval_every: int = 0  # also evaluate every k steps (0: only at start and end)
@@ -128,6 +142,7 @@ class RouterConfig:
     max_failures: int = 3  # failed health checks before an engine is quarantined
     max_retries: int = 3  # a failed request is retried on another engine this many times
     request_timeout_s: float = 600.0
+    batch_requests: bool = True  # one batched /generate per engine for the requests of one event-loop turn
 
 
 @dataclass
@@ -155,6 +170,14 @@ class MilesConfig:
     regularization: RegularizationConfig = field(default_factory=RegularizationConfig)
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+def structured_defaults() -> DictConfig:
+    """The schema as a structured OmegaConf config, ``rollout.async`` included."""
+    schema = OmegaConf.structured(MilesConfig)
+    with open_dict(schema.rollout):
+        schema.rollout["async"] = OmegaConf.structured(AsyncConfig)
+    return schema
 
 
 # Where component nodes live, and which kind each names. A null node is allowed where noted.

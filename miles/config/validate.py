@@ -43,6 +43,11 @@ _RANGES: list[tuple[str, Any, str]] = [
     ("regularization.kl_in", lambda v: v in ("loss", "reward"), "loss or reward"),
     ("data.chat_template", lambda v: v in ("auto", "true", "false", True, False), "auto, true or false"),
     ("data.overlong_prompts", lambda v: v in ("error", "drop"), "error or drop"),
+    ("run.schedule", lambda v: v in ("sync", "one_step_off", "async"), "sync, one_step_off or async"),
+    ("rollout.async.max_staleness", lambda v: v >= 0, "a whole number >= 0"),
+    ("rollout.async.max_concurrent_samples", lambda v: v >= 0, "a whole number >= 0 (0: from max_staleness)"),
+    ("rollout.async.stale", lambda v: v in ("drop", "retry"), "drop or retry"),
+    ("rollout.async.update", lambda v: v in (None, "pause", "abort", "in_place"), "pause, abort or in_place"),
 ]
 
 
@@ -121,6 +126,26 @@ def _agentic_problems(config: DictConfig, registry: Registry) -> list[str]:
     return problems
 
 
+def _schedule_problems(config: DictConfig) -> list[str]:
+    """``rollout.async`` against the schedule it shapes."""
+    if config.run.schedule == "sync":
+        return []
+    problems, node = [], config.rollout["async"]
+    update = node["update"]  # not node.update: that is the mapping's method
+    if config.rollout.partial_rollout and update not in (None, "abort"):
+        problems.append(f"rollout.partial_rollout: with run.schedule {config.run.schedule}, samples are aborted and "
+                        f"continued by weight updates (rollout.async.update: abort), got update: {update}")
+    if node.max_concurrent_samples and node.max_concurrent_samples < config.rollout.n_samples:
+        problems.append(f"rollout.async.max_concurrent_samples: expected 0 or at least one group "
+                        f"(rollout.n_samples={config.rollout.n_samples}), got {node.max_concurrent_samples}")
+    if (config.run.schedule == "one_step_off" and node.max_concurrent_samples
+            and node.max_concurrent_samples < config.rollout.prompts_per_step * config.rollout.n_samples):
+        problems.append(f"rollout.async.max_concurrent_samples: one_step_off generates a whole step at once "
+                        f"({config.rollout.prompts_per_step * config.rollout.n_samples} samples), got "
+                        f"{node.max_concurrent_samples}")
+    return problems
+
+
 def resolve_tool(registry: Registry, name: Any, where: str) -> Any:
     """The :class:`miles.Tool` registered as ``name`` (or at an import path; a plain function becomes a Tool)."""
     from miles.agentic.types import Tool, tool
@@ -154,6 +179,6 @@ def validate_config(config: DictConfig, registry: Registry) -> None:
     if not problems:  # combinations are judged once each part is well-formed
         from miles.config.algorithms import conflicts
 
-        problems += conflicts(config, registry) + _agentic_problems(config, registry)
+        problems += conflicts(config, registry) + _agentic_problems(config, registry) + _schedule_problems(config)
     if problems:
         raise ConfigError("Config is not well-formed, found the following errors:\n- " + "\n- ".join(problems))

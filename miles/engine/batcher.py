@@ -47,6 +47,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[list[tuple[float, int]]] = field(default_factory=list)
     output_entropy: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)  # the weight version that sampled each output token
     input_logprobs: list[float | None] = field(default_factory=list)  # from logprob_start_len; None: first token
     input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
     finish: dict[str, Any] | None = None
@@ -299,11 +300,13 @@ class ContinuousBatcher:
         top = _top(all_logprobs, k) if k else None
         entropy = (torch.special.entr(all_logprobs.exp()).sum(dim=-1).tolist()
                    if any(r.return_entropy for r in rows) else None)
+        version = self.version()  # the caller holds step_lock: no update lands in this step
         for i, (r, token, logprob, ok) in enumerate(zip(rows, tokens.tolist(), logprobs, finite.tolist())):
             if not ok:
                 r.finish = {"type": "abort", "message": NON_FINITE}
                 continue
             r.output_ids.append(token)
+            r.output_versions.append(version)
             r.output_logprobs.append(logprob)
             if top is not None and r.return_logprob and r.top_logprobs_num:
                 r.output_top.append(top[i][: r.top_logprobs_num])
@@ -351,8 +354,11 @@ class ContinuousBatcher:
             "prompt_tokens": len(r.prompt),
             "completion_tokens": n,
             "finish_reason": r.finish,
-            "weight_version": self.version(),
+            # the version that sampled the last token (the current one when it sampled none)
+            "weight_version": r.output_versions[-1] if r.output_versions else self.version(),
         }
+        if r.output_versions and r.output_versions[0] != r.output_versions[-1]:  # an update landed mid-request
+            meta["output_token_weight_versions"] = list(r.output_versions)
         if r.return_logprob:  # SGLang's [logprob, token_id, text] triples; the text is filled in on request
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
             if r.top_logprobs_num:

@@ -6,8 +6,10 @@ Endpoints: ``POST /generate`` (SGLang's request schema, one prompt or a batch), 
 ``GET /model_info`` and ``/server_info`` (also under their old names ``/get_model_info``, ``/get_server_info``),
 ``POST /abort_request``, ``/flush_cache``, ``/pause_generation``, ``/continue_generation``, and the weight
 updates ``/update_weights_from_disk``, ``/update_weights_from_tensor``, ``/init_weights_update_group`` +
-``/update_weights_from_distributed``. Every answer is strict JSON; an error is ``{"error": ...}`` naming the
-field or the header, and the server keeps serving. What a request must satisfy before it reaches an endpoint
+``/update_weights_from_distributed``, and ``/update_weights_from_shm`` (a descriptor of tensors in a file under
+/dev/shm that a trainer on this machine wrote; see :mod:`miles.engine.shared_weights`); ``/server_info`` names
+the machine (``host_id``) so that a trainer knows. Every answer is strict JSON; an error is ``{"error": ...}``
+naming the field or the header, and the server keeps serving. What a request must satisfy before it reaches an endpoint
 (host, origin, admin token, content type, size) is :mod:`miles.engine.http_guard`.
 """
 
@@ -29,6 +31,7 @@ from miles.engine.http_guard import (
     error_answer, guard, json_answer, json_body, read_body,
 )
 from miles.engine.local import LocalEngine
+from miles.engine.shared_weights import SHM_PATH, MappedWeightFile, host_id, parse_descriptor
 from miles.engine.weights_io import DTYPES, broadcast_tensors, decode_named_tensors, open_weight_group
 
 __all__ = ["build_app", "serve", "MAX_REQUEST_BYTES", "MAX_WEIGHT_REQUEST_BYTES"]
@@ -59,6 +62,7 @@ GENERATE_OFF_ONLY = frozenset({  # features the engine lacks: accepted when null
 
 ENGINE = web.AppKey("engine", LocalEngine)
 GROUPS = web.AppKey("groups", dict)
+SHM_FILE = web.AppKey("shm_file", list)  # [the last MappedWeightFile], kept mapped between updates
 
 
 # -- generation ------------------------------------------------------------------------------------
@@ -158,7 +162,7 @@ async def server_info(request: web.Request) -> web.Response:
         "model_path": engine.model_path, "tokenizer_path": engine.model_path, "context_length": engine.context_length,
         "dp_size": 1, "tp_size": 1, "pp_size": 1, "max_running_requests": engine.max_batch_size,
         "random_seed": engine.seed, "weight_version": engine.weight_version, "version": __version__,
-        "frontend": "miles", "max_request_bytes": policy.max_request_bytes,
+        "frontend": "miles", "host_id": host_id(), "max_request_bytes": policy.max_request_bytes,
         "max_weight_request_bytes": policy.max_weight_request_bytes,
         # requests_finished, waiting_requests, running_requests, prefill_tokens_requested and _computed,
         # prefix_cache_tokens, ...
@@ -209,6 +213,10 @@ def _update_options(fields: Mapping[str, Any]) -> tuple[int | None, bool]:
     return None if version is None else int(version), allow
 
 
+class Rewritten(Exception):
+    """The shared-memory file changed while the engine read it (answered 409: retry)."""
+
+
 async def _apply(request: web.Request, load: Callable[[], dict[str, torch.Tensor]],
                  options: Mapping[str, Any]) -> web.Response:
     """Load the tensors ``load()`` returns (off the event loop) into the engine, as a whole or not at all."""
@@ -219,6 +227,8 @@ async def _apply(request: web.Request, load: Callable[[], dict[str, torch.Tensor
             None, lambda: engine.update_weights(load(), version, allow_non_finite=allow))
     except ValueError as exc:
         return error_answer(400, str(exc))
+    except Rewritten as exc:
+        return error_answer(409, str(exc))
     return json_answer({"success": True, "weight_version": version})
 
 
@@ -288,6 +298,38 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     return await _apply(request, lambda: tensors, body)
 
 
+async def update_weights_from_shm(request: web.Request) -> web.Response:
+    """Tensors from the trainer's file in /dev/shm, copied straight into the model; with ``snapshot`` (a
+    catch-up, which a push may race) first into memory of the engine's own, so that a rewrite seen by the
+    header's second check leaves nothing applied."""
+    body = await json_body(request)
+    cache = request.app[SHM_FILE]
+    try:
+        d = parse_descriptor(body)
+        _update_options(body)  # refused now rather than after the header's check
+        mapped = MappedWeightFile.open(d.path, cache[0] if cache else None)
+        tensors = mapped.tensors(d)
+    except ValueError as exc:
+        return error_answer(400, str(exc))
+    cache[:] = [mapped]
+    if (why := mapped.rewritten(d)) is not None:
+        return error_answer(409, why)
+
+    def load() -> dict[str, torch.Tensor]:
+        if not d.snapshot:
+            return tensors
+        copies = {name: t.clone() for name, t in tensors.items()}
+        if (why := mapped.rewritten(d)) is not None:
+            raise Rewritten(why)
+        return copies
+
+    answer = await _apply(request, load, body)
+    if answer.status == 200 and not d.snapshot and (why := mapped.rewritten(d)) is not None:
+        # Only a writer that breaks the protocol (a push that does not wait for its posts) gets here.
+        return error_answer(409, f"{why}; the weights were applied while it changed and may mix two versions")
+    return answer
+
+
 # -- the application -------------------------------------------------------------------------------
 
 
@@ -303,6 +345,7 @@ def build_app(engine: LocalEngine, admin_token: str = "", *, max_request_bytes: 
     app[POLICY] = Policy(admin_token, max_request_bytes, max_weight_request_bytes,
                          frozenset(h.lower() for h in allowed_hosts))
     app[GROUPS] = {}
+    app[SHM_FILE] = []
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
     for path in ("/model_info", "/get_model_info"):
@@ -316,6 +359,7 @@ def build_app(engine: LocalEngine, admin_token: str = "", *, max_request_bytes: 
     app.router.add_post(WEIGHT_PATH, update_weights_from_tensor)
     app.router.add_post("/init_weights_update_group", init_weights_update_group)
     app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    app.router.add_post(SHM_PATH, update_weights_from_shm)
     app.router.add_post("/abort_request", abort_request)
     return app
 

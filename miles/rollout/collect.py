@@ -64,7 +64,7 @@ class GroupCollector:
         while len(kept) < target and rounds <= self.extra_rounds:
             resumed, self.unfinished = self.unfinished, []
             count = max(0, math.ceil((target - len(kept)) * self.prompts_factor) - len(resumed))
-            prompts = self.chooser.choose_prompts(data, count) if self.chooser else data.next(count)
+            prompts = data.draw(count, self.chooser)
             groups = resumed + make_groups(prompts, self.n_samples, first_group_index=self.next_group_index)
             self.next_group_index += count
             if self.partial_rollout:

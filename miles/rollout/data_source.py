@@ -102,7 +102,9 @@ def encode_rows(rows: list[dict[str, Any]], tokenizer: Any, *, prompt_key: str, 
 
 
 class PromptSource:
-    """Serves prompts in a seeded shuffled order, epoch after epoch; ``position`` counts prompts served."""
+    """Serves prompts in a seeded shuffled order, epoch after epoch; ``position`` counts prompts served.
+    Prompts given back with :meth:`requeue` (admitted but never trained: a stale group to generate again,
+    what a checkpoint of a one_step_off/async run had in flight) are served first."""
 
     def __init__(self, rows: list[dict[str, Any]], tokenizer: Any, *, prompt_key: str, label_key: str,
                  chat_template: str | bool, shuffle: bool, seed: int) -> None:
@@ -121,6 +123,7 @@ class PromptSource:
         self.shuffle = shuffle
         self.seed = seed
         self.position = 0
+        self.requeued: list[Prompt] = []
         self._order: list[int] = []
         self._epoch = -1
 
@@ -134,6 +137,17 @@ class PromptSource:
                 random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
             self._epoch = epoch
         return self._order
+
+    def requeue(self, prompts: list[Prompt]) -> None:
+        self.requeued += prompts
+
+    def draw(self, count: int, chooser: Any = None) -> list[Prompt]:
+        """``count`` prompts: requeued ones first, then the chooser's (a selector's ``choose_prompts``) or the next
+        in order."""
+        out, self.requeued = self.requeued[:count], self.requeued[count:]
+        if len(out) < count:
+            out += chooser.choose_prompts(self, count - len(out)) if chooser else self.next(count - len(out))
+        return out
 
     def next(self, count: int) -> list[Prompt]:
         out = []

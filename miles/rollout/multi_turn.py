@@ -135,9 +135,10 @@ class MultiTurn:
             params = {**ctx.sampling_params, "max_new_tokens": budget, "stop_token_ids": stop_ids}
             answer = await ctx.engine.generate(sample.prompt_ids + sample.response_ids, params, return_logprob=True)
             meta = answer["meta_info"]
+            start = len(sample.response_ids)
             sample.append(list(answer["output_ids"]), [float(t[0]) for t in meta["output_token_logprobs"]],
                           from_policy=True)
-            sample.weight_versions.append(int(meta["weight_version"]))
+            sample.record_versions(start, meta)
             finish = meta["finish_reason"]["type"]
             if finish == "abort":
                 sample.status, sample.reason = SampleStatus.ABORTED, str(meta["finish_reason"].get("message", "aborted"))

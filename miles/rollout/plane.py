@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import aiohttp
@@ -49,12 +49,15 @@ class EventLoopThread:
 
 
 class RolloutPlane:
-    def __init__(self, *, local_engines: list[Any] = (), router: Router | None = None) -> None:
+    def __init__(self, *, local_engines: list[Any] = (), router: Router | None = None, threaded: bool = False) -> None:
+        """``threaded``: in-process engines get a loop of their own too, for rollouts that go on between calls
+        (the one_step_off and async schedules)."""
         self.local_engines = list(local_engines)
         self.router = router
         self.aio: EventLoopThread | None = None  # the router's session and health checks live on it
-        if router is not None:
+        if router is not None or threaded:
             self.aio = EventLoopThread()
+        if router is not None:
             self.aio.run(router.start())
 
     @property
@@ -73,7 +76,7 @@ class RolloutPlane:
         return max(e.weight_version for e in self.router.engines)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        if self.router is None:  # nothing lives on the loop between steps: run in this thread, one thread fewer
+        if self.aio is None:  # nothing lives on the loop between steps: run in this thread, one thread fewer
             return asyncio.run(coro)
         return self.aio.run(coro, timeout_s)
 
@@ -87,30 +90,41 @@ class RolloutPlane:
         """(prompt tokens the engines admitted, those they ran through the model), summed over the engines since
         each started; the difference came from their prefix caches. Remote engines report theirs in
         ``/server_info``; one that does not answer (or reports none) counts 0 this time."""
+        return self.prefill_counts_soon()()
+
+    def prefill_counts_soon(self) -> Callable[[], tuple[int, int]]:
+        """:meth:`prefill_counts`, asked now and read when the returned function is called: remote engines answer
+        on the plane's loop meanwhile (a trainer asks before its step and reads after it)."""
         if self.router is None:
-            states = [engine.stats() if hasattr(engine, "stats") else {} for engine in self.local_engines]
-        else:
-            async def fetch() -> list[dict[str, Any]]:
-                async def one(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-                    try:
-                        async with session.get(url + "/server_info", headers=self.router.headers) as resp:
-                            return (await resp.json())["internal_states"][0] if resp.status == 200 else {}
-                    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
-                        return {}
+            counts = _prefill_sums([engine.stats() if hasattr(engine, "stats") else {} for engine in self.local_engines])
+            return lambda: counts
 
-                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-                    return await asyncio.gather(*(one(session, e.url) for e in self.router.engines if not e.down))
+        async def fetch() -> list[dict[str, Any]]:
+            async def one(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+                try:
+                    async with session.get(url + "/server_info", headers=self.router.headers) as resp:
+                        return (await resp.json())["internal_states"][0] if resp.status == 200 else {}
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
+                    return {}
 
-            states = self.run(fetch())
-        states = [s for s in states if isinstance(s, dict)]
-        return (sum(int(s.get("prefill_tokens_requested", 0)) for s in states),
-                sum(int(s.get("prefill_tokens_computed", 0)) for s in states))
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+                return await asyncio.gather(*(one(session, e.url) for e in self.router.engines if not e.down))
+
+        future = asyncio.run_coroutine_threadsafe(fetch(), self.aio.loop)
+        return lambda: _prefill_sums(future.result())
 
     def close(self) -> None:
         if self.aio is not None:
-            self.aio.run(self.router.close())
+            if self.router is not None:
+                self.aio.run(self.router.close())
             self.aio.close()
         for engine in self.local_engines:
             close = getattr(engine, "close", None)
             if close is not None:
                 close()
+
+
+def _prefill_sums(states: list[Any]) -> tuple[int, int]:
+    states = [s for s in states if isinstance(s, dict)]
+    return (sum(int(s.get("prefill_tokens_requested", 0)) for s in states),
+            sum(int(s.get("prefill_tokens_computed", 0)) for s in states))

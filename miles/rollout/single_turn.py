@@ -13,9 +13,10 @@ def apply_generate_answer(sample: Sample, answer: dict) -> None:
     meta = answer["meta_info"]
     ids = list(answer["output_ids"])
     logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
+    start = len(sample.response_ids)
     sample.append(ids, logprobs, from_policy=True)
     sample.response_text += answer.get("text", "")
-    sample.weight_versions.append(int(meta["weight_version"]))
+    sample.record_versions(start, meta)
     sample.turns += 1
     finish = meta["finish_reason"]["type"]
     if finish == "length":

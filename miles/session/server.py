@@ -183,7 +183,9 @@ class SessionServer:
         else:
             session._append(new_ids, None, from_policy=False)
         session._append(ids, logprobs, from_policy=True)
-        session.weight_versions.append(int(meta["weight_version"]))
+        # one per completion; a completion that a weight update landed in (in_place) adds each version
+        versions = [int(v) for v in meta.get("output_token_weight_versions") or [meta["weight_version"]]]
+        session.weight_versions += [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
         session.turns, session.last_text = turn, text
         session.turn_closed = bool(ids) and ids[-1] == conversation.eot_id
         conversation.add_policy_turn(message)

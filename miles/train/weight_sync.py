@@ -16,18 +16,26 @@ the other: once a push returns, every engine in service holds its version.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import logging
 import shutil
 import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import torch
 
+from miles.engine.shared_weights import SHM_DIR, SHM_PATH, WeightFile, host_id
 from miles.engine.weights_io import broadcast_tensors, open_weight_group, tensor_bytes
 from miles.errors import ConfigError
+from miles.rollout.router import EngineRequestError
 
-__all__ = ["InProcessTransport", "TensorTransport", "DiskTransport", "DistributedTransport", "AutoTransport"]
+__all__ = ["InProcessTransport", "TensorTransport", "DiskTransport", "DistributedTransport", "SharedMemoryTransport",
+           "SharedMemoryUnavailable", "AutoTransport"]
+
+log = logging.getLogger(__name__)
 
 
 def _nbytes(weights: dict[str, torch.Tensor]) -> int:
@@ -52,10 +60,12 @@ def _in_service(plane: Any) -> list[Any]:
 class InProcessTransport:
     """``in_process``: copies tensors into engines that live in this process."""
 
+    exports_only = True  # a push reads only backend.export_weights(): it may send a snapshot later
+
     def push(self, backend: Any, plane: Any, version: int) -> int:
         if plane.remote:
             raise ConfigError("rollout.weight_sync: 'in_process' needs in-process engines (rollout.engine.num_engines=0); "
-                              "use tensor, disk or distributed for engines served over HTTP")
+                              "use auto, shm, tensor, disk or distributed for engines served over HTTP")
         return _copy_to_local(plane, backend.export_weights(), version)
 
     async def catch_up(self, plane: Any, engine: Any) -> None:
@@ -65,11 +75,15 @@ class InProcessTransport:
 class TensorTransport:
     """``tensor``: safetensors bytes posted to ``/update_weights_from_tensor`` of every engine."""
 
+    exports_only = True  # a push reads only backend.export_weights(): it may send a snapshot later
+
     def __init__(self) -> None:
         self._last: tuple[bytes, int] | None = None
 
     def push(self, backend: Any, plane: Any, version: int) -> int:
-        weights = backend.export_weights()
+        return self._send(backend.export_weights(), plane, version)
+
+    def _send(self, weights: dict[str, torch.Tensor], plane: Any, version: int) -> int:
         if not plane.remote:
             return _copy_to_local(plane, weights, version)
         self._last = (tensor_bytes(weights), version)
@@ -117,6 +131,8 @@ class DistributedTransport:
     (NCCL on GPU); the group is formed again whenever the engines in service change. If an engine
     fails while the group forms or during the broadcast, the group is dropped and that push's weights
     go to the engines still in service as tensors; a returning engine catches up with tensors too."""
+
+    exports_only = True  # a push reads only backend.export_weights(): it may send a snapshot later
 
     def __init__(self, master_address: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
         self.master_address = master_address
@@ -176,17 +192,222 @@ class DistributedTransport:
                                     params={"weight_version": str(last[1])})
 
 
-class AutoTransport:
-    """``auto`` (the default): ``in_process`` for an in-process engine, ``tensor`` for engines over HTTP."""
+class SharedMemoryUnavailable(ConfigError):
+    """``shm`` cannot serve these ``engines`` (they cannot open the file), or with none named, cannot serve at
+    all (/dev/shm missing or too small for the weights, a dtype it does not carry)."""
+
+    def __init__(self, message: str, engines: list[Any] = ()) -> None:
+        super().__init__(message)
+        self.engines = list(engines)
+
+
+def _unreadable(refusal: EngineRequestError) -> bool:
+    """Whether an engine refused the descriptor because it cannot open the file (another machine, another
+    /dev/shm, another user): the engine names the field ``path``."""
+    return str(refusal).startswith("path:")
+
+
+async def _post_json(plane: Any, engine: Any, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """(HTTP status, answer) of one POST, whatever the status: a catch-up tells a 409 from a failure."""
+    timeout = aiohttp.ClientTimeout(total=plane.router.request_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with session.post(engine.url + path, json=body, headers=plane.router.headers) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+
+class SharedMemoryTransport:
+    """``shm``: for engines on this machine. A push writes the weights once into a file under /dev/shm (made
+    and mapped once, reused while their total size stays the same) and posts a small JSON descriptor to
+    ``/update_weights_from_shm`` of every engine in service; each copies the tensors out of its own read-only
+    mapping. A catch-up may run while a push rewrites the file: the engine then answers 409 (the file's
+    header changed while it read) and the catch-up posts again once the push has written it. The file is
+    removed by :meth:`close`, or when the process exits."""
+
+    exports_only = True  # a push reads only backend.export_weights(): it may send a snapshot later
 
     def __init__(self) -> None:
-        self._local, self._remote = InProcessTransport(), TensorTransport()
-
-    def _pick(self, plane: Any) -> Any:
-        return self._remote if plane.remote else self._local
+        self._file = WeightFile()
+        self._last: dict[str, Any] | None = None  # the descriptor of the last push, recorded before its write
+        self._written = 0  # the sequence of the last complete write
+        self._at_exit = False
 
     def push(self, backend: Any, plane: Any, version: int) -> int:
-        return self._pick(plane).push(backend, plane, version)
+        return self._send(backend.export_weights(), plane, version)
+
+    def _send(self, weights: dict[str, torch.Tensor], plane: Any, version: int) -> int:
+        if not plane.remote:
+            return _copy_to_local(plane, weights, version)
+        self._write(weights, version)
+        refused = plane.run(self._post_each(plane, self._last))
+        unreadable = [engine for engine, refusal in refused if _unreadable(refusal)]
+        for _, refusal in refused:
+            if not _unreadable(refusal):
+                raise refusal  # the weights do not fit the engine (as with every transport)
+        if unreadable:
+            raise SharedMemoryUnavailable(
+                f"rollout.weight_sync: shm needs every engine on this machine, sharing its {SHM_DIR}, but "
+                f"{', '.join(e.url for e in unreadable)} cannot read the weights: {refused[0][1]}. "
+                f"Use auto (shm for engines on this machine, tensor for the others) or tensor", unreadable)
+        return _nbytes(weights)
+
+    def _write(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        if not self._at_exit:  # a trainer that dies with an exception leaves no file behind
+            atexit.register(self.close)
+            self._at_exit = True
+        try:
+            descriptor = self._file.prepare(weights, version)
+        except OSError as exc:
+            raise SharedMemoryUnavailable(
+                f"rollout.weight_sync: shm: {SHM_DIR} cannot hold the weights ({_nbytes(weights)} bytes): "
+                f"{exc.strerror or exc}; give it room (a container's is 64 MiB unless started with --shm-size) "
+                f"or use tensor") from exc
+        except ValueError as exc:
+            raise SharedMemoryUnavailable(f"rollout.weight_sync: {exc}; use tensor") from exc
+        self._last = descriptor
+        try:
+            self._file.write(weights, descriptor)
+        except BaseException:
+            self._last = None  # the file holds no version now
+            raise
+        self._written = descriptor["sequence"]
+
+    async def _post_each(self, plane: Any, descriptor: dict[str, Any]) -> list[tuple[Any, EngineRequestError]]:
+        """Post to every engine in service (read here, on the rollout loop) and wait for every answer, so
+        that no engine still reads when the next push rewrites the file. An engine that fails is
+        quarantined (``Router.post_all``); returns the refusals, by engine."""
+        if (error := plane.router.no_engine_left()) is not None:
+            raise error
+
+        async def one(engine: Any) -> tuple[Any, EngineRequestError] | None:
+            try:
+                await plane.router.post_all(SHM_PATH, descriptor, engines=[engine])
+            except EngineRequestError as exc:
+                return engine, exc
+            return None
+
+        answers = await asyncio.gather(*(one(e) for e in plane.router.healthy))
+        return [a for a in answers if a is not None]
+
+    async def _until_written(self, descriptor: dict[str, Any]) -> None:
+        """Wait while a push writes the file ``descriptor`` describes (milliseconds to seconds)."""
+        while self._last is descriptor and self._written < descriptor["sequence"]:
+            await asyncio.sleep(0.005)
 
     async def catch_up(self, plane: Any, engine: Any) -> None:
-        await self._remote.catch_up(plane, engine)
+        while (last := self._last) is not None and engine.weight_version != last["weight_version"]:
+            complete = self._written >= last["sequence"]
+            # snapshot: the engine copies the tensors out before it checks the header again and applies them
+            status, answer = await _post_json(plane, engine, SHM_PATH, {**last, "snapshot": True})
+            if status == 200:
+                engine.weight_version = answer["weight_version"]
+            elif status in (400, 409) and self._last is not last:
+                continue  # a push rewrote (or replaced) the file meanwhile: post its descriptor
+            elif status == 409 and not complete:
+                await self._until_written(last)  # the push of this very descriptor was still writing it
+            elif status == 400:
+                raise EngineRequestError(answer.get("error", str(answer)) if isinstance(answer, dict) else answer)
+            else:  # a 409 with no write under way is the engine's fault
+                raise RuntimeError(f"{engine.url}{SHM_PATH} answered HTTP {status}: {answer}")
+
+    async def catch_up_with_tensors(self, plane: Any, engine: Any) -> None:
+        """Catch up an engine that cannot open the file: its tensors, copied out of the file (again if a push
+        rewrote it meanwhile), go as safetensors bytes to ``/update_weights_from_tensor``."""
+        loop = asyncio.get_running_loop()
+        while (last := self._last) is not None and engine.weight_version != last["weight_version"]:
+            await self._until_written(last)
+            weights = await loop.run_in_executor(None, self._file.read, last)
+            if weights is None:
+                if self._last is last:
+                    raise RuntimeError(f"the weight file of version {last['weight_version']} is gone (closed)")
+                continue
+            body = await loop.run_in_executor(None, tensor_bytes, weights)
+            await plane.router.post(engine, "/update_weights_from_tensor", body,
+                                    params={"weight_version": str(last["weight_version"])})
+
+    def close(self) -> None:
+        """Remove the file; engines keep the weights they loaded."""
+        self._last = None
+        self._file.close()
+        if self._at_exit:
+            atexit.unregister(self.close)
+            self._at_exit = False
+
+
+async def _server_info(plane: Any, engine: Any) -> dict[str, Any] | None:
+    """The engine's ``/server_info`` ({} if it has none to give), or None if it could not be reached."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            async with session.get(engine.url + "/server_info", headers=plane.router.headers) as resp:
+                info = await resp.json(content_type=None) if resp.status == 200 else {}
+                return info if isinstance(info, dict) else {}
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+
+
+class AutoTransport:
+    """``auto`` (the default): ``in_process`` for in-process engines; for engines over HTTP, ``shm`` when every
+    engine in service runs on this machine (its ``/server_info`` reports this machine's ``host_id``), else
+    ``tensor``. Where an engine runs is asked once per engine (URL and incarnation). An engine that cannot open
+    the file after all (a container with a /dev/shm of its own, another user) gets that push as tensors, and
+    tensors from then on; so does every engine once /dev/shm cannot hold the weights."""
+
+    exports_only = True  # a push reads only backend.export_weights(): it may send a snapshot later
+
+    def __init__(self) -> None:
+        self._local, self._tensor, self._shm = InProcessTransport(), TensorTransport(), SharedMemoryTransport()
+        self._here: dict[tuple[str, int], bool] = {}  # (url, incarnation): whether it runs on this machine
+        self._shm_works = True
+        self._last: Any = None  # the transport of the last push
+
+    def push(self, backend: Any, plane: Any, version: int) -> int:
+        if not plane.remote:
+            return self._local.push(backend, plane, version)
+        weights = backend.export_weights()
+        if self._shm_works and plane.run(self._all_here(plane)):
+            self._last = self._shm  # before it posts: a catch-up from now on follows shm
+            try:
+                return self._shm._send(weights, plane, version)
+            except SharedMemoryUnavailable as exc:
+                log.warning("miles: rollout.weight_sync auto: shm failed, this push goes as tensors: %s", exc)
+                for engine in exc.engines:
+                    self._here[(engine.url, engine.incarnation)] = False
+                self._shm_works = bool(exc.engines)
+        self._last = self._tensor
+        return self._tensor._send(weights, plane, version)
+
+    async def _all_here(self, plane: Any) -> bool:
+        """Whether every engine in service runs on this machine (read on the rollout loop)."""
+        engines = plane.router.healthy
+        return bool(engines) and all(await asyncio.gather(*(self._is_here(plane, e) for e in engines)))
+
+    async def _is_here(self, plane: Any, engine: Any) -> bool:
+        key = (engine.url, engine.incarnation)
+        if key not in self._here:
+            info = await _server_info(plane, engine)
+            if info is None:  # unreachable: not here this time, asked again next time
+                return False
+            mine = host_id()
+            self._here[key] = mine is not None and info.get("host_id") == mine
+        return self._here[key]
+
+    async def catch_up(self, plane: Any, engine: Any) -> None:
+        # Again if a push by the other transport began meanwhile: it may not reach this engine otherwise.
+        while True:
+            last = self._last
+            if last is self._shm and await self._is_here(plane, engine):
+                try:
+                    await self._shm.catch_up(plane, engine)
+                except EngineRequestError as exc:
+                    if not _unreadable(exc):
+                        raise
+                    self._here[(engine.url, engine.incarnation)] = False
+                    continue
+            elif last is self._shm:
+                await self._shm.catch_up_with_tensors(plane, engine)
+            elif last is not None:
+                await last.catch_up(plane, engine)
+            if self._last is last:
+                return
+
+    def close(self) -> None:
+        self._shm.close()

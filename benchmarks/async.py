@@ -1,0 +1,122 @@
+"""The schedules side by side (run.schedule sync, one_step_off, async) on the quickstart and on the ReTool
+recipe (multi-turn, uneven trajectory lengths): samples/s of the RL phase, where a step's time goes,
+how busy each core was, staleness, and the wall time to a rolling-10 train reward of 0.7.
+
+Every variant starts from the same SFT checkpoint (made once per workload by the recipe itself) and runs
+in a process of its own. The baseline is the synchronous run with the engine in the trainer's process.
+
+    python benchmarks/async.py [--workloads quickstart retool] [--steps N] [--schedules ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from statistics import fmean
+
+from _common import first_reach
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = {"quickstart": ("configs/quickstart.yaml", 200), "retool": ("configs/retool.yaml", 30)}
+VARIANTS = {  # name: overrides
+    "sync, engine in process": ["run.schedule=sync"],
+    "sync, engine process": ["run.schedule=sync", "rollout.engine.num_engines=1"],
+    "one_step_off": ["run.schedule=one_step_off", "rollout.engine.num_engines=1"],
+    "async k=1, pause": ["run.schedule=async", "rollout.engine.num_engines=1", "rollout.async.update=pause"],
+    "async k=1, in_place": ["run.schedule=async", "rollout.engine.num_engines=1", "rollout.async.update=in_place"],
+    "async k=2, in_place": ["run.schedule=async", "rollout.engine.num_engines=1", "rollout.async.update=in_place",
+                            "rollout.async.max_staleness=2"],
+}
+
+
+def cpu_times() -> list[tuple[int, int]]:
+    """(busy, total) jiffies of each core, from /proc/stat."""
+    out = []
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("cpu") and line[3].isdigit():
+            values = [int(v) for v in line.split()[1:]]
+            idle = values[3] + values[4]
+            out.append((sum(values) - idle, sum(values)))
+    return out
+
+
+def run(config: str, run_dir: Path, overrides: list[str]) -> tuple[list[dict], list[float]]:
+    """Train in a process of its own; per-step metrics, and each core's busy share while the RL steps ran."""
+    metrics = run_dir / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "miles", "train", config, f"run.dir={run_dir}", "run.progress=false",
+                             "run.overwrite=true", *overrides], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    window: dict[str, list] = {}
+
+    def watch() -> None:  # from the first RL step logged to the last
+        while proc.poll() is None:
+            rows = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            if rows >= 1 and "start" not in window:
+                window["start"] = cpu_times()
+            if rows >= 1:
+                window["end"] = cpu_times()
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    output = proc.communicate()[0]
+    watcher.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"miles train {' '.join(overrides)} failed:\n{output[-3000:]}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = [r.get("metrics", r) for r in rows if "time/step_s" in r.get("metrics", r)]
+    busy = [(b1 - b0) / max(1, t1 - t0) for (b0, t0), (b1, t1) in zip(window.get("start", []), window.get("end", []))]
+    return rows, busy
+
+
+def report(name: str, rows: list[dict], busy: list[float], base: float | None) -> float:
+    steady = rows[2:]  # the first steps warm up
+    samples_per_s = sum(r["samples/total"] for r in steady) / sum(r["time/step_s"] for r in steady)
+    part = {k: 1000 * fmean(r[k] for r in steady) for k in ("time/step_s", "time/rollout_s", "time/train_s",
+                                                             "time/weight_sync_s")}
+    stale = [r.get("async/staleness_mean", 0.0) for r in steady]
+    reach = first_reach([r["reward/mean"] for r in rows], [r["time/step_s"] for r in rows], 0.7)
+    print(f"{name:<26} {samples_per_s:>9.0f} {samples_per_s / (base or samples_per_s):>6.2f}x "
+          f"{part['time/step_s']:>7.1f} {part['time/rollout_s']:>7.1f} {part['time/train_s']:>7.1f} "
+          f"{part['time/weight_sync_s']:>6.1f} {' '.join(f'{b:4.0%}' for b in busy):>10} {fmean(stale):>6.2f} "
+          f"{max(r.get('async/staleness_max', 0) for r in steady):>4} "
+          f"{sum(r.get('async/stale_dropped', 0) for r in rows):>5} "
+          f"{f'{reach[1]:.1f} s (step {reach[0]})' if reach else 'not reached':>18} "
+          f"{fmean(r['reward/mean'] for r in rows[-10:]):>6.3f}", flush=True)
+    return samples_per_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=0, help="RL steps (0: the recipe's)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for workload in args.workloads:
+            config, steps = WORKLOADS[workload]
+            steps = args.steps or steps
+            sft = Path(tmp) / workload / "sft"
+            run(config, sft, ["run.steps=0"])  # the recipe's SFT warm-up, once
+            common = [f"model.path={sft / 'sft_model'}", "sft.steps=0", "run.eval_size=0", f"run.steps={steps}"]
+            print(f"\n{workload}: {steps} RL steps from {config}'s SFT checkpoint; times in ms per step (mean "
+                  f"after 2 warm-up steps); busy: each core's share while the RL steps ran")
+            print(f"{'variant':<26} {'samples/s':>9} {'vs base':>7} {'step':>7} {'rollout':>7} {'train':>7} {'push':>6} "
+                  f"{'busy':>10} {'stale':>6} {'max':>4} {'drop':>5} {'to reward 0.7':>18} {'last10':>6}")
+            base = None
+            for name in args.variants:
+                # short run dirs: Ray's sockets live under them, and a socket path has at most 107 bytes
+                rows, busy = run(config, Path(tmp) / workload[0] / str(list(VARIANTS).index(name)),
+                                 common + VARIANTS[name])
+                value = report(name, rows, busy, base)
+                base = base or value
+
+
+if __name__ == "__main__":
+    main()

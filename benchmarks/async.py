@@ -81,14 +81,15 @@ def report(name: str, rows: list[dict], busy: list[float], base: float | None) -
     part = {k: 1000 * fmean(r[k] for r in steady) for k in ("time/step_s", "time/rollout_s", "time/train_s",
                                                              "time/weight_sync_s")}
     stale = [r.get("async/staleness_mean", 0.0) for r in steady]
-    reach = first_reach([r["reward/mean"] for r in rows], [r["time/step_s"] for r in rows], 0.7)
+    rewards = [r["reward/mean"] if r["reward/mean"] is not None else 0.0 for r in rows]  # null: nothing rewarded
+    reach = first_reach(rewards, [r["time/step_s"] for r in rows], 0.7)
     print(f"{name:<26} {samples_per_s:>9.0f} {samples_per_s / (base or samples_per_s):>6.2f}x "
           f"{part['time/step_s']:>7.1f} {part['time/rollout_s']:>7.1f} {part['time/train_s']:>7.1f} "
           f"{part['time/weight_sync_s']:>6.1f} {' '.join(f'{b:4.0%}' for b in busy):>10} {fmean(stale):>6.2f} "
           f"{max(r.get('async/staleness_max', 0) for r in steady):>4} "
           f"{sum(r.get('async/stale_dropped', 0) for r in rows):>5} "
           f"{f'{reach[1]:.1f} s (step {reach[0]})' if reach else 'not reached':>18} "
-          f"{fmean(r['reward/mean'] for r in rows[-10:]):>6.3f}", flush=True)
+          f"{fmean(rewards[-10:]):>6.3f}", flush=True)
     return samples_per_s
 
 

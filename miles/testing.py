@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BackendConformance", "build_chat_model", "build_tiny_model", "chat_model_dir", "make_registry", "make_sample", "make_train_batch", "tiny_model_dir",
     "miles_registry", "MILES_WITH_CTRL_C", "SandboxConformance", "EnvConformance", "ScriptedPolicy", "CHAT_ALPHABET",
-    "CHAT_TOKENIZER", "serve_engine",
+    "CHAT_TOKENIZER", "serve_engine", "serve_in_thread",
 ]
 
 # The `miles` command line, to run with subprocess, with Ctrl-C restored: a shell without job control starts
@@ -75,6 +75,33 @@ def serve_engine(model_dir: str | Path, *args: str, timeout_s: float = 120.0) ->
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine: Any) -> Iterator[str]:
+    """``engine``'s HTTP application (:func:`miles.engine.server.build_app`) on a free 127.0.0.1 port, served
+    by a thread of this process (so that a test can patch what it runs); yields its base URL."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from miles.engine.server import build_app
+
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(build_app(engine))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    port = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 ADDITION_ALPHABET = "0123456789+="

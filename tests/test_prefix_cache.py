@@ -5,11 +5,9 @@ import asyncio
 import json
 import threading
 import urllib.request
-from contextlib import contextmanager
 
 import pytest
 import torch
-from aiohttp import web
 from transformers import AutoModelForCausalLM
 
 from miles.engine import LocalEngine
@@ -298,26 +296,11 @@ def test_a_row_that_spans_a_weight_update_is_not_stored(tiny_model_dir):
     engine.close()
 
 
-@contextmanager
 def serving(engine):
     """The engine's HTTP app on a free loopback port, served from a thread."""
-    from miles.engine.server import build_app
+    from miles.testing import serve_in_thread
 
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(engine))
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = runner.addresses[0][1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    return serve_in_thread(engine)
 
 
 def post(url, body):

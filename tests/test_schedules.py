@@ -4,7 +4,6 @@ a real in-process engine with a worker thread, and on Ray engines in processes o
 import asyncio
 import json
 import random
-import threading
 import time
 
 import pytest

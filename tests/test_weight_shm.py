@@ -22,15 +22,14 @@ import urllib.request
 
 import pytest
 import torch
-from aiohttp import web
 
 import miles.train.weight_sync as weight_sync
 from miles.engine import LocalEngine
-from miles.engine.server import build_app
 from miles.engine.shared_weights import (
     HEADER, MAGIC, WRITING, MappedWeightFile, WeightFile, host_id, parse_descriptor,
 )
 from miles.rollout.plane import RolloutPlane
+from miles.testing import serve_in_thread
 from miles.rollout.router import EngineRequestError, Router
 from miles.testing import build_tiny_model
 from miles.train.weight_sync import AutoTransport, SharedMemoryTransport, SharedMemoryUnavailable
@@ -440,20 +439,10 @@ def server_in_a_thread(model_dir):
     """The engine's HTTP application served by a thread of this process (so that a test can patch it)."""
     engine = LocalEngine(background=True)
     engine.load_model(str(model_dir))
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(engine))
-    loop.run_until_complete(runner.setup())
-    port = free_port()
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        with serve_in_thread(engine) as url:
+            yield url
     finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
         engine.close()
 
 

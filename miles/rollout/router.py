@@ -84,6 +84,7 @@ class Router:
         self.paused = False  # a re-admitted engine is paused too
         self.batch_requests = batch_requests
         self._batch: list[tuple[dict[str, Any], asyncio.Future]] = []  # this loop turn's requests
+        self._sending: set[asyncio.Task] = set()  # batches on their way
         self._session: aiohttp.ClientSession | None = None
         self._health_tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()
@@ -96,9 +97,10 @@ class Router:
         self._health_tasks = [asyncio.create_task(self._watch(e)) for e in self.engines]
 
     async def close(self) -> None:
-        for task in self._health_tasks:
+        tasks = [*self._health_tasks, *self._sending]  # what is still sent has nobody waiting for it any more
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._health_tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
         self._session, self._health_tasks = None, []
@@ -210,7 +212,9 @@ class Router:
         parts = max(1, min(len(batch), len(self.healthy)))
         size = -(-len(batch) // parts)
         for i in range(0, len(batch), size):
-            asyncio.ensure_future(self._deliver(batch[i:i + size]))
+            task = asyncio.ensure_future(self._deliver(batch[i:i + size]))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
 
     async def _deliver(self, batch: list[tuple[dict[str, Any], asyncio.Future]]) -> None:
         try:
@@ -221,7 +225,11 @@ class Router:
             else:  # one request of the batch is wrong: each on its own, so that its error reaches it alone
                 answers = await asyncio.gather(*(self._send([body]) for body, _ in batch), return_exceptions=True)
                 answers = [a[0] if isinstance(a, list) else a for a in answers]
-        except BaseException as exc:  # no engine left, cancelled with the loop ...
+        except asyncio.CancelledError:  # the router closes
+            for _, future in batch:
+                future.cancel()
+            raise
+        except Exception as exc:  # no engine left ...
             answers = [exc] * len(batch)
         for (_, future), answer in zip(batch, answers):
             if future.done():  # its caller gave up waiting (timeout, cancellation)

@@ -107,3 +107,20 @@ def test_value_model_steps_equal_the_single_process_backend(tiny_model_dir):
     for one, two in zip(single, sharded):
         for key in ("critic/loss", "critic/value_mean", "critic/grad_norm", "train/grad_norm"):
             assert two[key] == pytest.approx(one[key], abs=1e-4), key
+
+
+@pytest.mark.slow
+def test_async_schedule_trains_with_fsdp2(tmp_path):
+    """run.schedule async over the FSDP2 backend: its gathered weights go to the engine while the stream
+    generates the next batch; samples are at most one version old, every step trains a full batch."""
+    from miles.runner import prepare, train
+
+    train(prepare(_quickstart(), [f"run.dir={tmp_path}", "run.progress=false", "backend.name=fsdp2",
+                                  "backend.world_size=2", "run.schedule=async", "rollout.async.update=in_place",
+                                  "sft.steps=20", "run.eval_size=0", "run.steps=6"]))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == list(range(6))
+    assert [r["weight_version"] for r in steps] == list(range(1, 7))
+    assert all(r["async/staleness_max"] <= 1 and r["train/samples"] == 128 for r in steps)
+

@@ -110,6 +110,10 @@ class Recorder:
     def miles_train_step_end(self, step, metrics):
         self.metrics.append(metrics)
         if self.hold_second_batch and step == 0:
+            deadline = time.monotonic() + 60  # the push runs in a thread of its own: let it land first
+            while self.engine.weight_version < 1:
+                assert time.monotonic() < deadline, "the weights of step 0 never reached the engine"
+                time.sleep(0.001)
             self.engine.resume()
 
 

@@ -135,8 +135,19 @@ def version_of(base):
     return call(base, "/health")[1]["weight_version"]
 
 
+_FOUND_BEFORE: set[str] = set()
+
+
+@pytest.fixture(autouse=True)
+def _files_of_earlier_tests():
+    """Weight files this process made before the test (other tests' runs in the same pytest process)."""
+    _FOUND_BEFORE.clear()
+    _FOUND_BEFORE.update(glob.glob(f"/dev/shm/miles-weights-{os.getpid()}-*"))
+
+
 def my_files():
-    return glob.glob(f"/dev/shm/miles-weights-{os.getpid()}-*")
+    """The weight files this test's transports made and have not removed."""
+    return sorted(set(glob.glob(f"/dev/shm/miles-weights-{os.getpid()}-*")) - _FOUND_BEFORE)
 
 
 def test_a_push_serves_what_an_in_process_engine_serves_and_the_file_is_removed_on_close(

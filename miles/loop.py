@@ -19,7 +19,7 @@ from miles.rollout.reward import score_samples
 from miles.train.regularizers import kl_estimate
 from miles.types import Group, Sample, SampleStatus, TrainBatch
 
-__all__ = ["Components", "rl_step", "sft_step", "evaluate", "rollout_metrics", "train_groups", "push_weights", "finish_step"]
+__all__ = ["Components", "rl_step", "sft_step", "evaluate", "rollout_metrics", "train_groups", "push_weights", "finish_step", "check_failures"]
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Components:
     router_stats_seen: dict[str, int] = field(default_factory=dict)
 
 
-def _check_failures(step: int, samples: list[Sample], max_failed_frac: float) -> int:
+def check_failures(step: int, samples: list[Sample], max_failed_frac: float) -> int:
     failed = [s for s in samples if s.status is SampleStatus.FAILED]
     if samples and len(failed) / len(samples) > max_failed_frac:
         reasons = sorted({s.reason for s in failed})
@@ -65,7 +65,7 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     failed: list[int] = []
 
     def check(samples: list[Sample]) -> None:
-        failed.append(_check_failures(step, samples, c.max_failed_frac))
+        failed.append(check_failures(step, samples, c.max_failed_frac))
 
     prefill_before = c.plane.prefill_counts()
     collected = c.collector.collect(c.train_data, c.rollout_fn, c.rollout_ctx, c.reward_fn, check)

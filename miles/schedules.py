@@ -33,16 +33,15 @@ from dataclasses import dataclass, field, replace
 from statistics import fmean
 from typing import Any
 
-from miles.loop import Components, _check_failures, finish_step, push_weights, rl_step, rollout_metrics, train_groups
-from miles.rollout.collect import Collected, _timed_out
+from miles.config.schema import SCHEDULES
+from miles.loop import Components, check_failures, finish_step, push_weights, rl_step, rollout_metrics, train_groups
+from miles.rollout.collect import Collected
 from miles.rollout.data_source import Prompt
 from miles.rollout.generate import make_groups, run_one
 from miles.rollout.reward import score_samples_async
 from miles.types import Group, Sample, SampleStatus
 
 __all__ = ["SCHEDULES", "GroupStream", "StreamSettings", "make_schedule", "stream_settings"]
-
-SCHEDULES = ("sync", "one_step_off", "async")
 
 
 @dataclass
@@ -52,18 +51,6 @@ class StreamSettings:
     stale: str = "drop"  # or "retry"
     update: str = "pause"  # or "abort", "in_place"
     whole_steps: bool = False  # one_step_off: admit one step's prompts at a time
-
-
-@dataclass
-class _Counts:
-    """Where every admitted group went. ``admitted`` always equals the sum of the others plus the groups
-    in flight, buffered and held by the trainer (:meth:`GroupStream.accounted`)."""
-
-    admitted: int = 0
-    trained: int = 0
-    removed: int = 0  # by the selectors
-    stale_dropped: int = 0
-    stale_retried: int = 0
 
 
 class _GatedEngine:
@@ -115,7 +102,7 @@ class GroupStream:
         self.flights: list[_Flight] = []
         self.ready: list[tuple[_Flight, int]] = []  # kept groups with their start version, waiting for the trainer
         self.held: list[int] = []  # per batch the trainer took and whose weights have not reached the engines: its size
-        self.counts = _Counts()
+        self.admitted = 0  # groups admitted since the stream started
         self.completed: list[Sample] = []  # samples finished since the last take
         self.removed = [0] * len(c.collector.selectors)
         self.aborts = 0  # weight updates that aborted running requests
@@ -172,7 +159,7 @@ class GroupStream:
             flight = _Flight(group, prompt, self.version)
             flight.task = asyncio.ensure_future(self._run(flight))
             self.flights.append(flight)
-            self.counts.admitted += 1
+            self.admitted += 1
 
     async def _run(self, flight: _Flight) -> None:
         c, group = self.c, flight.group
@@ -190,7 +177,7 @@ class GroupStream:
                     for sample in aborted:
                         sample.fail(f"rollout: the engine aborted the generation ({sample.reason})")
             await score_samples_async(group.samples, c.reward_fn)
-            selected, removed = c.collector._select([group])
+            selected, removed = c.collector.select([group])
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # e.g. no engine left: the run cannot go on
@@ -200,7 +187,6 @@ class GroupStream:
         self.flights.remove(flight)
         self.completed += group.samples
         self.removed = [a + b for a, b in zip(self.removed, removed)]
-        self.counts.removed += 1 - len(selected)
         if selected:
             versions = [s.start_version for s in group.samples if s.start_version is not None]
             self.ready.append((flight, min(versions, default=flight.admitted_version)))
@@ -227,9 +213,6 @@ class GroupStream:
                 stale += 1
                 if self.s.stale == "retry":  # generated again before anything new
                     self.c.train_data.requeued.insert(0, entry[0].prompt)
-                    self.counts.stale_retried += 1
-                else:
-                    self.counts.stale_dropped += 1
                 self._notify()
             if len(self.ready) >= self.batch:
                 break
@@ -238,7 +221,6 @@ class GroupStream:
         self.ready.sort(key=lambda e: (e[1], e[0].group.index))
         taken, self.ready = self.ready[: self.batch], self.ready[self.batch :]
         self.held.append(len(taken))
-        self.counts.trained += len(taken)
         self._notify()  # one_step_off admits the next step now
         groups = sorted((f.group for f, _ in taken), key=lambda g: g.index)
         ages = [version - start for _, start in taken]
@@ -250,18 +232,11 @@ class GroupStream:
             "async/stale_dropped": stale if self.s.stale == "drop" else 0,
             "async/stale_retried": stale if self.s.stale == "retry" else 0,
             "async/buffer_groups": len(self.ready), "async/in_flight_groups": len(self.flights),
-            "async/groups_admitted": self.counts.admitted,  # since the run (re)started: every group's fate adds up
+            "async/groups_admitted": self.admitted,  # since the run (re)started: every group's fate adds up
             "async/trainer_wait_s": time.perf_counter() - waited, "async/rollout_wait_s": idle,
         }
-        for stage in ("rollout", "reward"):
-            metrics[f"{stage}/timeouts"] = _timed_out(samples, stage)
         removed, self.removed = self.removed, [0] * len(self.removed)
-        metrics["selection/groups_removed"] = sum(removed)
-        metrics["selection/groups_kept"] = len(groups)
-        for (name, selector), count in zip(self.c.collector.selectors, removed):
-            metrics[f"selection/{name}_removed"] = count
-            if hasattr(selector, "metrics"):
-                metrics.update(selector.metrics())
+        metrics.update(self.c.collector.selection_metrics(samples, groups, removed))
         return groups, samples, metrics
 
     async def hold(self) -> None:
@@ -290,12 +265,6 @@ class GroupStream:
         flights = self.flights + [f for f, _ in self.ready]
         pending = [f.prompt for f in sorted(flights, key=lambda f: f.group.index)]
         return self.c.train_data.position, pending + list(self.c.train_data.requeued)
-
-    def accounted(self) -> bool:
-        """Every admitted group is trained, removed, dropped, retried, in flight, buffered or held."""
-        n = self.counts
-        return n.admitted == (n.trained + n.removed + n.stale_dropped + n.stale_retried + len(self.flights)
-                              + len(self.ready))
 
     async def stop(self) -> None:
         tasks = [t for t in [self._admitter, *(f.task for f in self.flights)] if t is not None]
@@ -341,7 +310,7 @@ class StreamSchedule:
         groups, samples, stream_metrics = c.plane.run(stream.take(self.version))
         rollout_s = time.perf_counter() - start
         prefill_now = c.plane.prefill_counts_soon()  # the engines answer while the trainer trains
-        failed = _check_failures(step, samples, c.max_failed_frac)
+        failed = check_failures(step, samples, c.max_failed_frac)
         c.pm.hook.miles_rollout_end(step=step, groups=groups)
         metrics: dict[str, float] = {}
         train_groups(c, step, groups, metrics, lambda: self._update(step))

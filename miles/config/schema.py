@@ -13,7 +13,9 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-__all__ = ["MilesConfig", "AsyncConfig", "structured_defaults", "COMPONENT_NODES", "COMPONENT_LISTS"]
+__all__ = ["MilesConfig", "AsyncConfig", "structured_defaults", "COMPONENT_NODES", "COMPONENT_LISTS", "SCHEDULES"]
+
+SCHEDULES = ("sync", "one_step_off", "async")  # run.schedule (miles/schedules.py)
 
 
 def _component(name: str, **args: Any) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from miles.config.schema import COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES, ORCHESTRATION_KEYS
+from miles.config.schema import COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES, ORCHESTRATION_KEYS, SCHEDULES
 from miles.errors import ConfigError
 from miles.registry import KINDS, Registry
 
@@ -43,7 +43,7 @@ _RANGES: list[tuple[str, Any, str]] = [
     ("regularization.kl_in", lambda v: v in ("loss", "reward"), "loss or reward"),
     ("data.chat_template", lambda v: v in ("auto", "true", "false", True, False), "auto, true or false"),
     ("data.overlong_prompts", lambda v: v in ("error", "drop"), "error or drop"),
-    ("run.schedule", lambda v: v in ("sync", "one_step_off", "async"), "sync, one_step_off or async"),
+    ("run.schedule", lambda v: v in SCHEDULES, "sync, one_step_off or async"),
     ("rollout.async.max_staleness", lambda v: v >= 0, "a whole number >= 0"),
     ("rollout.async.max_concurrent_samples", lambda v: v >= 0, "a whole number >= 0 (0: from max_staleness)"),
     ("rollout.async.stale", lambda v: v in ("drop", "retry"), "drop or retry"),

@@ -79,23 +79,14 @@ class GroupCollector:
                 run_rollouts(groups, rollout_fn, ctx)
                 score_samples(fresh, reward_fn)
                 check(fresh)
-                done, removed_now = self._select(groups)
+                done, removed_now = self.select(groups)
             samples += fresh
             removed = [a + b for a, b in zip(removed, removed_now)]
             kept += done
             rounds += 1
         surplus, kept = kept[target:], kept[:target]
         dropped = self._store(surplus)
-        metrics: dict[str, float] = {
-            "selection/groups_removed": sum(removed),
-            "selection/groups_kept": len(kept),
-            "selection/rounds": rounds,
-            **{f"{stage}/timeouts": _timed_out(samples, stage) for stage in ("rollout", "reward")},
-        }
-        for (name, selector), count in zip(self.selectors, removed):
-            metrics[f"selection/{name}_removed"] = count
-            if hasattr(selector, "metrics"):
-                metrics.update(selector.metrics())
+        metrics = {**self.selection_metrics(samples, kept, removed), "selection/rounds": rounds}
         if self.partial_rollout:
             metrics["rollout/partial_groups"] = len(self.unfinished)
             metrics["rollout/off_policy_token_frac"] = (
@@ -105,7 +96,8 @@ class GroupCollector:
                             "selection/surplus_dropped": dropped})
         return Collected(kept, samples, metrics)
 
-    def _select(self, groups: list[Group]) -> tuple[list[Group], list[int]]:
+    def select(self, groups: list[Group]) -> tuple[list[Group], list[int]]:
+        """The selectors in order over ``groups``: those kept, and how many each selector removed."""
         removed = []
         for _, selector in self.selectors:
             before = len(groups)
@@ -135,7 +127,7 @@ class GroupCollector:
                 continue
             await score_samples_async(group.samples, reward_fn)
             completed.append(group)
-            selected, removed_now = self._select([group])
+            selected, removed_now = self.select([group])
             removed = [a + b for a, b in zip(removed, removed_now)]
             kept += selected
             if len(kept) >= room and not aborted:
@@ -156,6 +148,20 @@ class GroupCollector:
             taken = self.buffer[:count]
             del self.buffer[:count]
         return taken
+
+    def selection_metrics(self, samples: list[Sample], kept: list[Group], removed: list[int]) -> dict[str, float]:
+        """What selection did to a step's batch (``removed``: groups per selector), with the selectors' own
+        figures, and the samples that timed out in each stage."""
+        metrics: dict[str, float] = {
+            "selection/groups_removed": sum(removed),
+            "selection/groups_kept": len(kept),
+            **{f"{stage}/timeouts": _timed_out(samples, stage) for stage in ("rollout", "reward")},
+        }
+        for (name, selector), count in zip(self.selectors, removed):
+            metrics[f"selection/{name}_removed"] = count
+            if hasattr(selector, "metrics"):
+                metrics.update(selector.metrics())
+        return metrics
 
     def _store(self, surplus: list[Group]) -> int:
         """Buffer the surplus (without a buffer it is dropped); returns how many groups were dropped."""

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pytest
 from omegaconf import OmegaConf
 
 from miles.config.schema import ModelBuildConfig, TokenizerConfig
@@ -25,6 +24,16 @@ from miles.models import build_model_dir
 from miles.plugins import build_plugin_manager
 from miles.registry import Registry
 from miles.types import Sample, SampleStatus
+
+try:  # the fixtures and conformance suites need pytest; the helpers (serve_engine, make_train_batch, ...) do not
+    import pytest
+    fixture = pytest.fixture
+except ImportError:  # pragma: no cover - exercised by a subprocess test without pytest
+    pytest = None
+
+    def fixture(*args: Any, **kwargs: Any) -> Any:
+        """Without pytest a fixture is a plain function (``@fixture`` and ``@fixture(...)`` both work)."""
+        return args[0] if args and callable(args[0]) else (lambda fn: fn)
 
 if TYPE_CHECKING:
     from miles.types import TrainBatch
@@ -141,19 +150,19 @@ def build_chat_model(path: str | Path, seed: int = 0, **build: Any) -> Path:
     return build_tiny_model(path, CHAT_ALPHABET, seed, tokenizer=CHAT_TOKENIZER, **build)
 
 
-@pytest.fixture(scope="session")
+@fixture(scope="session")
 def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model with a chat template (:func:`build_chat_model`), built once per test session."""
     return build_chat_model(tmp_path_factory.mktemp("miles-chat-model") / "model")
 
 
-@pytest.fixture(scope="session")
+@fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny HF-format model directory, built once per test session."""
     return build_tiny_model(tmp_path_factory.mktemp("miles-tiny-model") / "model")
 
 
-@pytest.fixture
+@fixture
 def miles_registry() -> Registry:
     """A registry of the builtins only (no installed plugins)."""
     return make_registry()
@@ -202,7 +211,7 @@ class BackendConformance:
     def make_backend(self, **split: Any) -> Any:
         raise NotImplementedError
 
-    @pytest.fixture(autouse=True)
+    @fixture(autouse=True)
     def _shut_down_backends(self):
         self._made: list[Any] = []
         yield
@@ -612,7 +621,7 @@ class EnvConformance:
 
     # -- the harness ----------------------------------------------------------------------------------
 
-    @pytest.fixture(autouse=True)
+    @fixture(autouse=True)
     def _env_harness(self, chat_model_dir: Path) -> None:
         self.set_up_harness(chat_model_dir)
 

@@ -207,7 +207,7 @@ def test_health_answers_while_a_generation_is_pending(server):
 
 
 def test_update_weights_from_tensor(server, tmp_path):
-    from miles.engine.weights_io import encode_named_tensors
+    from miles.weights.wire import encode_named_tensors
 
     params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", seed=7))
@@ -232,7 +232,7 @@ def test_update_weights_from_tensor(server, tmp_path):
 
 
 def test_a_weight_update_names_every_offending_tensor_and_applies_nothing(server, tmp_path):
-    from miles.engine.weights_io import encode_named_tensors
+    from miles.weights.wire import encode_named_tensors
 
     state = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", seed=5)).state_dict()
     names = list(state)
@@ -298,7 +298,7 @@ def test_answers_are_strict_json_even_with_non_finite_floats():
 
 
 def test_update_weights_from_distributed(server, tmp_path):
-    from miles.engine.weights_io import broadcast_tensors, open_weight_group
+    from miles.weights.wire import broadcast_tensors, open_weight_group
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", seed=11))
     state = model.state_dict()

@@ -25,7 +25,7 @@ import torch
 
 import miles.train.weight_sync as weight_sync
 from miles.engine import LocalEngine
-from miles.engine.shared_weights import (
+from miles.weights.shm import (
     HEADER, MAGIC, WRITING, MappedWeightFile, WeightFile, host_id, parse_descriptor,
 )
 from miles.rollout.plane import RolloutPlane

@@ -13,7 +13,7 @@ import torch
 from miles import hookimpl
 from miles.types import LossInputs
 
-__all__ = ["AGGREGATIONS", "aggregate", "ppo_clip", "sft"]
+__all__ = ["AGGREGATIONS", "aggregate", "ppo_clip", "sft", "value_loss"]
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
@@ -134,6 +134,22 @@ def sft(inputs: LossInputs, agg: str = "token_mean",
 
 
 sft.check_args = _check_aggregation  # type: ignore[attr-defined]
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               normalizer: float, clip: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The value model's loss (PPO): ``0.5 max((V - R)^2, (clip(V, V_old +- clip) - R)^2)``, summed over
+    the loss-masked tokens and divided by ``normalizer`` (the mini-batch's token count over all ranks,
+    as the policy loss). Metrics are this micro-batch's share: ``critic/clip_frac`` (with a clip) and
+    ``critic/value_mean``."""
+    loss_t = (values - returns) ** 2
+    metrics: dict[str, float] = {}
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        loss_t = torch.maximum(loss_t, (clipped - returns) ** 2)
+        metrics["critic/clip_frac"] = float((((values - old_values).abs() > clip).float() * mask).sum()) / normalizer
+    metrics["critic/value_mean"] = float((values.detach() * mask).sum()) / normalizer
+    return 0.5 * (loss_t * mask).sum() / normalizer, metrics
 
 
 @hookimpl(trylast=True)

@@ -7,7 +7,7 @@ Endpoints: ``POST /generate`` (SGLang's request schema, one prompt or a batch), 
 ``POST /abort_request``, ``/flush_cache``, ``/pause_generation``, ``/continue_generation``, and the weight
 updates ``/update_weights_from_disk``, ``/update_weights_from_tensor``, ``/init_weights_update_group`` +
 ``/update_weights_from_distributed``, and ``/update_weights_from_shm`` (a descriptor of tensors in a file under
-/dev/shm that a trainer on this machine wrote; see :mod:`miles.engine.shared_weights`); ``/server_info`` names
+/dev/shm that a trainer on this machine wrote; see :mod:`miles.weights.shm`); ``/server_info`` names
 the machine (``host_id``) so that a trainer knows. Every answer is strict JSON; an error is ``{"error": ...}``
 naming the field or the header, and the server keeps serving. What a request must satisfy before it reaches an endpoint
 (host, origin, admin token, content type, size) is :mod:`miles.engine.http_guard`.
@@ -31,8 +31,8 @@ from miles.engine.http_guard import (
     error_answer, guard, json_answer, json_body, read_body,
 )
 from miles.engine.local import LocalEngine
-from miles.engine.shared_weights import SHM_PATH, MappedWeightFile, host_id, parse_descriptor
-from miles.engine.weights_io import DTYPES, broadcast_tensors, decode_named_tensors, open_weight_group
+from miles.weights.shm import SHM_PATH, MappedWeightFile, host_id, parse_descriptor
+from miles.weights.wire import DTYPES, broadcast_tensors, decode_named_tensors, open_weight_group
 
 __all__ = ["build_app", "serve", "MAX_REQUEST_BYTES", "MAX_WEIGHT_REQUEST_BYTES"]
 

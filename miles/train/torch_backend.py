@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from miles.builtin.losses import value_loss
 from miles.models import load_critic, load_model, save_pretrained
 from miles.train.backend import LossFn
 from miles.train.batching import normalizers, plan_batch
@@ -97,27 +98,21 @@ class Policy:
 
     def _train_critic(self, batch: TrainBatch, micros: list[list[int]], normalizer: float,
                       loss_scale: float) -> dict[str, float]:
-        """One value-model step: ``0.5 max((V - R)^2, (clip(V, V_old +- value_clip) - R)^2)``, token mean."""
+        """One value-model step on :func:`miles.builtin.losses.value_loss`."""
         self.critic_optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = defaultdict(float)
-        clip = self.options.value_clip
         for rows in micros:
             micro = self._micro(batch, rows)
             values = self._values(micro)
             if not rows:
                 (values.sum() * 0.0).backward()
                 continue
-            mask, returns = micro.loss_mask.to(self.device), micro.returns.to(self.device)
-            old = micro.values.to(self.device)
-            loss_t = (values - returns) ** 2
-            if clip is not None:
-                clipped = old + (values - old).clamp(-clip, clip)
-                loss_t = torch.maximum(loss_t, (clipped - returns) ** 2)
-                totals["critic/clip_frac"] += float((((values - old).abs() > clip).float() * mask).sum()) / normalizer
-            loss = 0.5 * (loss_t * mask).sum() / normalizer
+            loss, metrics = value_loss(values, micro.values.to(self.device), micro.returns.to(self.device),
+                                       micro.loss_mask.to(self.device), normalizer, self.options.value_clip)
             (loss * loss_scale).backward()
             totals["critic/loss"] += float(loss.detach())
-            totals["critic/value_mean"] += float((values.detach() * mask).sum()) / normalizer
+            for key, value in metrics.items():
+                totals[key] += value
         norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.options.max_grad_norm or float("inf"))
         totals["critic/grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.critic_optimizer.step()

@@ -27,10 +27,10 @@ from typing import Any
 import aiohttp
 import torch
 
-from miles.engine.shared_weights import SHM_DIR, SHM_PATH, WeightFile, host_id
-from miles.engine.weights_io import broadcast_tensors, open_weight_group, tensor_bytes
 from miles.errors import ConfigError
 from miles.rollout.router import EngineRequestError
+from miles.weights.shm import SHM_DIR, SHM_PATH, WeightFile, host_id
+from miles.weights.wire import broadcast_tensors, open_weight_group, tensor_bytes
 
 __all__ = ["InProcessTransport", "TensorTransport", "DiskTransport", "DistributedTransport", "SharedMemoryTransport",
            "SharedMemoryUnavailable", "AutoTransport"]

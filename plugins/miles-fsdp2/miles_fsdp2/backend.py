@@ -8,13 +8,20 @@ from typing import Any
 
 import torch
 
-from miles.errors import ConfigError, RunError
-from miles.models import save_state_dict
-from miles.train.backend import LossFn
-from miles.train.batching import normalizers, plan_batch
-from miles.train.options import TrainOptions, takes_train_options
-from miles.train.torch_backend import assemble_rows, combine_metrics, sum_over_ranks
-from miles.types import TrainBatch
+from miles.train.api import (
+    ConfigError,
+    LossFn,
+    RunError,
+    TrainBatch,
+    TrainOptions,
+    assemble_rows,
+    combine_metrics,
+    normalizers,
+    plan_batch,
+    save_state_dict,
+    sum_over_ranks,
+    takes_train_options,
+)
 
 __all__ = ["FSDP2Backend"]
 

@@ -24,10 +24,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
-from miles.models import load_critic, load_model
-from miles.train.options import TrainOptions, resolve_device
-from miles.train.torch_backend import Policy, rng_state, set_rng_state
-from miles.types import TrainBatch
+from miles.train.api import (
+    Policy,
+    TrainBatch,
+    TrainOptions,
+    load_critic,
+    load_model,
+    resolve_device,
+    rng_state,
+    set_rng_state,
+)
 
 __all__ = ["FSDPWorker", "shard"]
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from miles.engine.weights_io import DTYPES
+from miles.weights.wire import DTYPES
 
 __all__ = ["SHM_DIR", "PREFIX", "SHM_PATH", "WeightFile", "MappedWeightFile", "Descriptor", "parse_descriptor",
            "check_path", "host_id"]

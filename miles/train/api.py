@@ -1,0 +1,44 @@
+"""What a training-backend plugin needs from Miles, in one place (``from miles.train import api``).
+
+A backend plugin (``miles-fsdp2``, ``miles-megatron``, your own) imports only this module, ``miles``
+and ``miles.testing``. It covers:
+
+- the contract: :class:`TrainBackend`, :data:`LossFn`, :class:`TrainBatch`, :class:`LossInputs`;
+- train options every backend takes: :class:`TrainOptions` (``@takes_train_options`` on the class
+  merges its signature), :func:`resolve_device`, :func:`autocast_dtype`;
+- the per-process training core: :class:`Policy` (model, AdamW, LR schedule, reference and value
+  models; ``train`` runs one process's share of a step) and the RNG state to checkpoint
+  (:func:`rng_state`, :func:`set_rng_state`);
+- step plans: :func:`plan_batch` / :func:`plan_step` (mini-batches, token-balanced data-parallel
+  shares, micro-batches; ``plan[mini][rank][micro] -> rows``), :func:`normalizers`,
+  :func:`balanced_partition`, :func:`micro_batch_indices`;
+- metric reduction across ranks: :func:`sum_over_ranks` then :func:`combine_metrics`, and
+  :func:`assemble_rows` to put per-micro-batch rows back into ``[B, L-1]``;
+- the losses' building blocks: :func:`token_logprobs`, :func:`value_loss`;
+- HF models: :func:`load_model`, :func:`load_critic`, :func:`save_pretrained`, :func:`save_state_dict`;
+- errors: :class:`ConfigError` (bad backend arguments, exit code 2), :class:`RunError`.
+
+The conformance suite is ``miles.testing.BackendConformance``; docs/backends.md shows a backend
+written against this module.
+"""
+
+from miles.builtin.losses import value_loss
+from miles.errors import ConfigError, RunError
+from miles.models import load_critic, load_model, save_pretrained, save_state_dict
+from miles.train.backend import LossFn, TrainBackend
+from miles.train.batching import balanced_partition, micro_batch_indices, normalizers, plan_batch, plan_step
+from miles.train.logprobs import token_logprobs
+from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
+from miles.train.torch_backend import Policy, assemble_rows, combine_metrics, rng_state, set_rng_state, sum_over_ranks
+from miles.types import LossInputs, TrainBatch
+
+__all__ = [
+    "TrainBackend", "LossFn", "TrainBatch", "LossInputs",
+    "TrainOptions", "takes_train_options", "resolve_device", "autocast_dtype",
+    "Policy", "rng_state", "set_rng_state",
+    "plan_batch", "plan_step", "normalizers", "balanced_partition", "micro_batch_indices",
+    "sum_over_ranks", "combine_metrics", "assemble_rows",
+    "token_logprobs", "value_loss",
+    "load_model", "load_critic", "save_pretrained", "save_state_dict",
+    "ConfigError", "RunError",
+]

@@ -12,13 +12,17 @@ from typing import Any
 
 from miles.errors import RunError
 
-__all__ = ["RayCluster"]
+__all__ = ["RayCluster", "describe_capacity"]
 
+_LOCAL_AMOUNT = 10_000.0  # of each custom resource on a local instance: more than any run reserves
 _MAX_TEMP_DIR = 60  # Ray puts unix sockets under the temp dir; their paths must stay short
 
 
 class RayCluster:
     def __init__(self, cfg: Any, run_dir: Path, num_cpus: int | None = None) -> None:
+        """Join ``cfg.address``, or start a local instance that offers the custom resources the config
+        places engines and training workers by (``cluster.engine_resources``/``train_resources``), in plenty:
+        on one machine every node label is this machine."""
         import ray
 
         self.ray = ray
@@ -40,8 +44,10 @@ class RayCluster:
             temp_dir = self.temp_dir_for(run_dir)
             temp_dir.mkdir(parents=True, exist_ok=True)
             os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+            custom = {name: _LOCAL_AMOUNT for name in {**(cfg.get("engine_resources") or {}),
+                                                         **(cfg.get("train_resources") or {})}}
             ray.init(num_cpus=num_cpus or cfg.num_cpus or os.cpu_count(), object_store_memory=cfg.object_store_mb * 2**20,
-                     _temp_dir=str(temp_dir), _node_ip_address="127.0.0.1", **kwargs)
+                     _temp_dir=str(temp_dir), _node_ip_address="127.0.0.1", resources=custom or None, **kwargs)
         self.started_here = True
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, sigterm)  # ray.init installs its own, which exits without our clean-up
@@ -61,3 +67,13 @@ class RayCluster:
     def shutdown(self) -> None:
         if self.started_here and self.ray.is_initialized():
             self.ray.shutdown()
+
+
+def describe_capacity(ray: Any, bundle: dict[str, float]) -> str:
+    """What the cluster has of each resource in ``bundle``: in all, free now, and per live node."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    nodes = [f"{n['NodeManagerAddress']} ({n['NodeID'][:8]}): "
+             + ", ".join(f"{k}={n['Resources'].get(k, 0):g}" for k in bundle)
+             for n in ray.nodes() if n.get("Alive")]
+    return (f"the cluster has {', '.join(f'{k}={total.get(k, 0):g} (free {free.get(k, 0):g})' for k in bundle)}; "
+            f"live nodes: {'; '.join(nodes) or 'none'}")

@@ -11,7 +11,7 @@ import torch
 from miles.train.api import (
     ConfigError,
     LossFn,
-    RunError,
+    RayWorkers,
     TrainBatch,
     TrainOptions,
     assemble_rows,
@@ -51,97 +51,33 @@ class FSDP2Backend:
         self.options = TrainOptions(**options)
         self.world_size, self.cpus_per_worker = world_size, cpus_per_worker
         self.startup_timeout_s, self.collective_timeout_s = startup_timeout_s, collective_timeout_s
-        self.workers: list[Any] = []
-        self._group: Any = None
+        self.ray_resources: dict[str, float] = {}  # cluster.train_resources, set by the runner
+        self.group = RayWorkers("fsdp2", world_size, cpus_per_worker, startup_timeout_s)
         self._model_path: str | None = None
-
-    # -- placement -----------------------------------------------------------------------------------
 
     @property
     def ray_cpus(self) -> float:
         """Logical CPUs the workers reserve on Ray (checked against ``cluster.num_cpus`` before a run starts)."""
-        return self.world_size * self.cpus_per_worker
+        return self.group.ray_cpus
 
-    def _resources(self, ray: Any) -> dict[str, float]:
-        gpus = ray.cluster_resources().get("GPU", 0)
-        on_gpu = self.options.device == "cuda" or (self.options.device == "auto" and gpus > 0)
-        return {"CPU": self.cpus_per_worker, **({"GPU": 1.0} if on_gpu else {})}
-
-    def _place(self, ray: Any) -> dict[str, float]:
-        """Reserve one bundle per worker, or fail at once saying what was asked and what there is."""
-        from ray.util.placement_group import placement_group, remove_placement_group
-
-        bundle = self._resources(ray)
-        total = ray.cluster_resources()
-        for resource, each in bundle.items():
-            asked = each * self.world_size
-            if asked > total.get(resource, 0):
-                raise ConfigError(
-                    f"backend: fsdp2 with world_size={self.world_size} needs {asked:g} {resource} "
-                    f"({each:g} per worker); the Ray cluster has {total.get(resource, 0):g} {resource}. "
-                    f"Lower backend.world_size or backend.cpus_per_worker, or give Ray more "
-                    f"(cluster.num_cpus, more nodes)."
-                )
-        self._group = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
-        if not self._group.wait(self.startup_timeout_s):
-            remove_placement_group(self._group)
-            self._group = None
-            free = ray.available_resources()
-            raise RunError(f"backend: could not place {self.world_size} fsdp2 workers ({bundle} each) within "
-                           f"{self.startup_timeout_s:g} s: other actors hold the cluster's resources (free now: "
-                           f"{ {k: free.get(k, 0) for k in bundle} })")
-        return bundle
+    @property
+    def workers(self) -> list[Any]:
+        return self.group.actors
 
     def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,
               total_steps: int | None = None, critic_model_path: str | None = None) -> None:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         from miles_fsdp2.worker import FSDPWorker
 
-        if not ray.is_initialized():
-            raise RunError("backend fsdp2 runs its workers on Ray: start Miles through `miles train` "
-                           "(which starts or joins the cluster) or call ray.init() first")
-        self.shutdown()
-        bundle = self._place(ray)
-        actor = ray.remote(FSDPWorker)
-        self.workers = [
-            actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=rank))
-            .remote(rank, self.world_size, self.options, max(1, int(self.cpus_per_worker)))
-            for rank in range(self.world_size)
-        ]
-        master = self._gather([self.workers[0].address.remote()], "setup")[0]
+        threads = max(1, int(self.cpus_per_worker))
+        self.group.start(FSDPWorker, self.options.device, self.ray_resources,
+                         lambda rank: (rank, self.world_size, self.options, threads))
+        master = self.group.gather([self.workers[0].address.remote()], "setup")[0]
         self._all("setup", master, model_path, seed, ref_model_path, total_steps, critic_model_path,
                   self.collective_timeout_s)
         self._model_path = model_path
 
-    # -- calling the workers -------------------------------------------------------------------------
-
-    def _gather(self, refs: list[Any], what: str) -> list[Any]:
-        """Results in order; the first failure kills every worker (peers would wait in a collective)."""
-        import ray
-
-        pending, done = list(refs), {}
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            try:
-                done[ready[0]] = ray.get(ready[0])
-            except ray.exceptions.RayActorError as exc:
-                self.shutdown(graceful=False)
-                raise RunError(f"fsdp2 worker {refs.index(ready[0])} died during {what}: {exc}. "
-                               f"The last checkpoint is untouched.") from exc
-            except ray.exceptions.RayTaskError as exc:
-                self.shutdown(graceful=False)
-                raise RunError(f"fsdp2 worker {refs.index(ready[0])} failed during {what}: {exc}") from exc
-        return [done[ref] for ref in refs]
-
     def _all(self, method: str, *args: Any, per_rank: list[tuple] | None = None) -> list[Any]:
-        if not self.workers:
-            raise RunError(f"the fsdp2 workers are not running (call setup first); cannot run {method}")
-        refs = [getattr(w, method).remote(*(per_rank[rank] if per_rank else ()), *args)
-                for rank, w in enumerate(self.workers)]
-        return self._gather(refs, method)
+        return self.group.call(method, *args, per_rank=per_rank)
 
     def _shares(self, batch: TrainBatch, plan: list[list[list[int]]]) -> list[tuple[TrainBatch, list[list[list[int]]]]]:
         """Each rank's rows as a batch of its own, with the plan in that batch's row numbers."""
@@ -192,19 +128,4 @@ class FSDP2Backend:
         self._all("load_checkpoint", path)
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop the workers and release their placement group (safe to call twice). After a failure
-        the peers of a dead worker may be stuck in a collective, so they are killed without asking."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        workers, self.workers = self.workers, []
-        if graceful and workers:
-            try:
-                ray.get([worker.shutdown.remote() for worker in workers], timeout=30)
-            except Exception:  # noqa: BLE001 - dead or stuck: killed below
-                pass
-        for worker in workers:
-            ray.kill(worker)
-        if self._group is not None:
-            remove_placement_group(self._group)
-            self._group = None
+        self.group.shutdown(graceful)

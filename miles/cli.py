@@ -73,8 +73,8 @@ def _cmd_engine_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--model {args.model!r} is not an HF model directory (no config.json there)")
     token = args.admin_token or os.environ.get("MILES_ADMIN_TOKEN", "")
     try:
-        serve(args.model, host=args.host, port=args.port, seed=args.seed, admin_token=token,
-              max_request_bytes=int(args.max_request_mib * 2**20),
+        serve(args.model, host=args.host, port=args.port, seed=args.seed, admin_token=token, device=args.device,
+              dtype=args.dtype, max_request_bytes=int(args.max_request_mib * 2**20),
               max_weight_request_bytes=int(args.max_weight_request_mib * 2**20), allowed_hosts=tuple(args.allowed_host))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
@@ -157,6 +157,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                       help="the weights' type (auto: bfloat16 on a GPU that supports it)")
     serve.add_argument("--admin-token", default="", help="required for weight/admin endpoints off loopback")
     serve.add_argument("--max-request-mib", type=float, default=16.0,
                        help="body size limit of /generate and the other small endpoints (MiB)")

@@ -92,6 +92,17 @@ def miles_register_rollout_engines(register: Register) -> None:
     SGLang-shaped answer (``output_ids`` and ``meta_info``), ``update_weights(state_dict,
     weight_version)`` and ``weight_version``. With ``num_engines >= 1`` the engines are served over
     HTTP with SGLang's protocol and reached through a router.
+
+    A factory with ``server_launcher = True`` is a *server launcher* instead (e.g. ``sglang`` from the
+    ``miles-sglang`` plugin, the builtin ``miles_server``): built with the node's arguments, shipped to
+    each engine actor, which calls ``start(model_path, *, host, port, admin_token, threads, timeout_s)
+    -> url`` (return once the server answers; raise ``RunError`` with its log otherwise), polls
+    ``alive() -> bool`` (the actor exits when it turns false, and Ray restarts it), and calls
+    ``stop()``; ``describe() -> dict`` reports it. Its attributes ``protocol`` (``"miles"`` or
+    ``"sglang"``: what the weight transports may send it) and ``tp_size`` (ranks it takes in a
+    ``distributed`` weight group) are read in the driver. A server launcher needs
+    ``num_engines >= 1``. :class:`miles.rollout.engine_launcher.SubprocessLauncher` is the base for a
+    server command run in a process group of its own.
     """
 
 

@@ -44,6 +44,7 @@ class Components:
     mask_off_policy: bool = False  # zero the loss mask of tokens an older policy sampled
     kl_reward_coef: float = 0.0  # KL to the reference policy as a per-sequence reward penalty
     kl_estimator: str = "k3"
+    release_memory: bool = False  # engines free their memory while the trainer trains (a colocated trainer)
     router_stats_seen: dict[str, int] = field(default_factory=dict)
 
 
@@ -71,7 +72,17 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     collected = c.collector.collect(c.train_data, c.rollout_fn, c.rollout_ctx, c.reward_fn, check)
     metrics = rollout_metrics(c, collected, time.perf_counter() - start, prefill_before, sum(failed))
     c.pm.hook.miles_rollout_end(step=step, groups=collected.groups)
-    train_groups(c, step, collected.groups, metrics, lambda: push_weights(c, step))
+    if c.release_memory and any(g.trainable_samples for g in collected.groups):  # else nothing is pushed
+        c.plane.post_all("/release_memory_occupation", {"tags": None})  # SGLang: weights, KV cache, CUDA graphs
+
+        def push() -> None:  # weights back first (to receive the push), then the cache
+            c.plane.post_all("/resume_memory_occupation", {"tags": ["weights"]})
+            push_weights(c, step)
+            c.plane.post_all("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
+    else:
+        def push() -> None:
+            push_weights(c, step)
+    train_groups(c, step, collected.groups, metrics, push)
     return finish_step(c, metrics, start)
 
 
@@ -151,7 +162,7 @@ def finish_step(c: Components, metrics: dict[str, float], start: float) -> dict[
         if (error := c.plane.router.no_engine_left()) is not None:  # even if run.max_failed_frac let the step pass
             raise error
         stats, seen = c.plane.router.stats, c.router_stats_seen
-        for key in ("engine_failures", "retries", "readmissions"):
+        for key in ("engine_failures", "retries", "readmissions", "engines_lost_with_node"):
             metrics[f"rollout/{key}"] = stats[key] - seen.get(key, 0)
             seen[key] = stats[key]
         metrics["rollout/engines_in_service"] = len(c.plane.router.healthy)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import os
 import shutil
 import sys
@@ -143,9 +144,12 @@ class _Run:
     def build_backend(self, **overrides: Any) -> Any:
         node = {**component_node(self.p.config.backend), **overrides}
         backend_cls = self.p.registry.get("backend", node["name"]).obj
-        if getattr(backend_cls, "uses_ray", False):
-            self.ray_cluster()
-        return self.p.registry.build("backend", node, "backend")
+        if not getattr(backend_cls, "uses_ray", False):
+            return self.p.registry.build("backend", node, "backend")
+        self.ray_cluster()
+        backend = self.p.registry.build("backend", node, "backend")
+        backend.ray_resources = OmegaConf.to_container(self.p.config.cluster.train_resources)
+        return backend
 
 
 def _sft_phase(run: _Run, model_path: str) -> str:
@@ -187,18 +191,33 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
 
     cluster_cfg = p.config.cluster
     cluster = run.ray_cluster()
-    engine_args.pop("name")
+    launcher = _engine_launcher(p, engine_args)
+    if extra["release_memory_during_train"] and getattr(launcher, "enable_memory_saver", False) is None:
+        launcher.enable_memory_saver = True  # SGLang gives memory back only when started with --enable-memory-saver
     router, actors, group = launch_engines(
-        cluster.ray, num_engines, model_path, engine_args, cpus_per_engine=cluster_cfg.cpus_per_engine,
+        cluster.ray, num_engines, model_path, launcher, cpus_per_engine=cluster_cfg.cpus_per_engine,
         multi_node=cluster.multi_node, startup_timeout_s=cluster_cfg.engine_startup_timeout_s,
         router_args=OmegaConf.to_container(cluster_cfg.router),
+        resources=OmegaConf.to_container(cluster_cfg.engine_resources),
     )
     run.closing.callback(shutdown_engines, cluster.ray, actors, group)
+    if getattr(launcher, "protocol", "miles") == "sglang" and hasattr(transport, "use_disk"):
+        transport.use_disk()  # auto: SGLang servers take checkpoints on disk (or a broadcast: distributed)
     plane = RolloutPlane(router=router)
     # A restarted engine gets the current weights before it serves again.
     router.on_readmit = lambda endpoint: transport.catch_up(plane, endpoint)
     plane.run(router.wait_healthy(timeout_s=cluster_cfg.engine_startup_timeout_s))
     return plane
+
+
+def _engine_launcher(p: Prepared, engine_args: dict[str, Any]) -> Any:
+    """What each engine actor serves with: the registered engine when it is a server launcher (e.g. ``sglang``),
+    else the in-process engine served from the actor (:class:`~miles.rollout.engine_launcher.EmbeddedLauncher`)."""
+    from miles.rollout.engine_launcher import EmbeddedLauncher, is_server_launcher
+
+    if is_server_launcher(p.registry.get("rollout_engine", engine_args["name"]).obj):
+        return p.registry.build("rollout_engine", engine_args, "rollout.engine")
+    return EmbeddedLauncher({k: v for k, v in engine_args.items() if k != "name"})
 
 
 def _agentic_parts(run: _Run, model_path: str, plane: RolloutPlane) -> dict[str, Any]:
@@ -274,7 +293,8 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         from miles.train.ray_backend import launch_backend
 
         backend = launch_backend(run.cluster.ray, backend, cpus=config.cluster.train_cpus,
-                                 startup_timeout_s=config.cluster.engine_startup_timeout_s)
+                                 startup_timeout_s=config.cluster.engine_startup_timeout_s,
+                                 resources=OmegaConf.to_container(config.cluster.train_resources))
     run.closing.callback(backend.shutdown)
     reg = config.regularization
     estimator = p.registry.get("advantage", component_node(config.advantage)["name"]).obj
@@ -308,6 +328,7 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         prompts_per_step=config.rollout.prompts_per_step,
         n_samples=config.rollout.n_samples,
         max_failed_frac=run_cfg.max_failed_frac,
+        release_memory=bool(split_node(config.rollout.engine, "rollout.engine")[1]["release_memory_during_train"]),
     )
     aclose = getattr(getattr(c.rollout_fn, "func", c.rollout_fn), "aclose", None)
     if aclose is not None:  # e.g. the envs of multi-turn trajectories waiting to be continued
@@ -376,10 +397,12 @@ def _rl_phase(run: _Run, model_path: str) -> str:
             p.pm.hook.miles_train_step_end(step=step, metrics=metrics)
             for logger in run.loggers:
                 logger.log(step, metrics)
-            rewards.append(metrics["reward/mean"])
+            if not math.isnan(metrics["reward/mean"]):  # nan: no sample finished in the step (a streaming schedule
+                rewards.append(metrics["reward/mean"])  # can train groups that finished before the step began)
             if run_cfg.save_every and (step + 1) % run_cfg.save_every == 0:
                 checkpoint(step + 1)
-            bar.set_postfix(reward=f"{fmean(rewards[-10:]):.3f}", refresh=False)
+            if rewards:
+                bar.set_postfix(reward=f"{fmean(rewards[-10:]):.3f}", refresh=False)
             bar.update()
     schedule.close()  # what the stream generated past the last step is not trained
     if run.eval_prompts:
@@ -387,7 +410,8 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         for logger in run.loggers:
             logger.log(run_cfg.steps, run.summary["eval_end"])
     window = max(1, min(10, len(rewards) // 5))
-    run.summary.update(reward_window=window, reward_start=fmean(rewards[:window]), reward_end=fmean(rewards[-window:]))
+    if rewards:
+        run.summary.update(reward_window=window, reward_start=fmean(rewards[:window]), reward_end=fmean(rewards[-window:]))
     out = str(run.run_dir / "final_model")
     backend.save_pretrained(out, run.tokenizer, {"phase": "rl", "step": run_cfg.steps, "plugins": run.stack})
     backend.shutdown()

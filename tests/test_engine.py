@@ -168,3 +168,29 @@ def test_inline_engine_generates_each_turn_in_the_calling_thread(tiny_model_dir)
         got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
         assert torch.allclose(got, reference_logprobs(tiny_model_dir, prompt, answer["output_ids"]), atol=1e-4)
     engine.close()
+
+
+def test_device_and_dtype_choose_where_and_in_what_the_weights_live(tiny_model_dir):
+    with pytest.raises(ValueError, match="device: expected cpu, cuda or auto"):
+        LocalEngine(device="tpu")
+    with pytest.raises(ValueError, match="dtype: expected float32, bfloat16"):
+        LocalEngine(dtype="int8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no GPU"):
+            LocalEngine(device="cuda").load_model(str(tiny_model_dir))
+    engine = LocalEngine(seed=1, background=True, device="auto", dtype="bfloat16")
+    engine.load_model(str(tiny_model_dir))
+    try:
+        expected_device = "cuda" if torch.cuda.is_available() else "cpu"
+        assert {p.device.type for p in engine.model.parameters()} == {expected_device}
+        assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+        prompts = [[4, 13, 5, 14], [7, 13]]
+        answers = generate_many(engine, prompts, {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True})
+        assert [len(a["output_ids"]) for a in answers] == [5, 5]
+        # float32 weights from a trainer load into the bfloat16 engine
+        weights = {k: v.float() + 0.01 for k, v in engine.model.state_dict().items()}
+        assert engine.update_weights(weights, weight_version=3) == 3
+        first = next(iter(engine.model.state_dict().values()))
+        assert first.dtype == torch.bfloat16 and first.device.type == expected_device
+    finally:
+        engine.close()

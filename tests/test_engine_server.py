@@ -305,7 +305,7 @@ def test_update_weights_from_distributed(server, tmp_path):
     port = free_port()
     joined = {}
     thread = threading.Thread(target=lambda: joined.update(answer=call(server, "/init_weights_update_group", {
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 0, "world_size": 2, "backend": "gloo"})))
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"})))
     thread.start()
     group = open_weight_group("127.0.0.1", port, 0, 2)
     thread.join()

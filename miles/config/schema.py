@@ -9,7 +9,7 @@ signature by :mod:`miles.config.validate`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -154,6 +154,10 @@ class ClusterConfig:
     object_store_mb: int = 256
     cpus_per_engine: float = 1.0
     train_cpus: float = 1.0  # CPUs reserved for the training worker actor
+    # Custom Ray resources each engine / each training worker reserves ({engine_node: 1}): they run only on
+    # the nodes that offer them (`ray start --resources`); a local instance offers what the run needs.
+    engine_resources: Dict[str, float] = field(default_factory=dict)
+    train_resources: Dict[str, float] = field(default_factory=dict)
     engine_startup_timeout_s: float = 120.0
     router: RouterConfig = field(default_factory=RouterConfig)
 
@@ -200,7 +204,9 @@ COMPONENT_NODES: dict[str, str] = {
 OPTIONAL_NODES = {"data.generator", "rollout.env", "rollout.sandbox"}
 # Keys of a component node that configure how it is run rather than the component itself, with defaults.
 ORCHESTRATION_KEYS: dict[str, dict[str, Any]] = {
-    "rollout.engine": {"num_engines": 0},  # 0: in process; N >= 1: N engines over HTTP as Ray actors
+    # num_engines 0: in process; N >= 1: N engines over HTTP as Ray actors. release_memory_during_train: the
+    # engines free their weights and KV cache while the trainer trains (sync schedule; a colocated trainer)
+    "rollout.engine": {"num_engines": 0, "release_memory_during_train": False},
     "rollout.fn": {"timeout_s": 0.0},  # seconds per sample, waiting for the engine included; 0: no limit
     "reward": {"timeout_s": 60.0},  # seconds per call (per batch for a batched reward); 0: no limit
 }

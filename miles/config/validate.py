@@ -16,6 +16,9 @@ from miles.registry import KINDS, Registry
 
 __all__ = ["validate_config", "component_node", "split_node"]
 
+# Ray's own resources, which have keys of their own (cpus_per_engine, train_cpus) or are not for placement.
+_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
 # (key, predicate, what is expected)
 _RANGES: list[tuple[str, Any, str]] = [
     ("run.steps", lambda v: v >= 0, "a whole number >= 0"),
@@ -49,6 +52,18 @@ _RANGES: list[tuple[str, Any, str]] = [
     ("rollout.async.stale", lambda v: v in ("drop", "retry"), "drop or retry"),
     ("rollout.async.update", lambda v: v in (None, "pause", "abort", "in_place"), "pause, abort or in_place"),
 ]
+
+
+def _resource_problems(cluster: Any) -> list[str]:
+    problems = []
+    for key in ("engine_resources", "train_resources"):
+        for name, amount in (cluster[key] or {}).items():
+            if name in _BUILTIN_RESOURCES or name.startswith("node:"):
+                problems.append(f"cluster.{key}.{name}: expected a custom Ray resource (a name given to "
+                                f"`ray start --resources`); CPUs are cluster.cpus_per_engine / cluster.train_cpus")
+            elif not amount > 0:
+                problems.append(f"cluster.{key}.{name}: expected a positive amount, got {amount!r}")
+    return problems
 
 
 def component_node(node: Any) -> dict[str, Any]:
@@ -99,9 +114,30 @@ def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[st
     engines = extra.get("num_engines", 0)
     if isinstance(engines, bool) or not isinstance(engines, int) or engines < 0:
         problems.append(f"{where}.num_engines: expected a whole number >= 0 (0: in process), got {engines!r}")
-    elif engines > 0 and plain.get("name") != "local":
-        problems.append(f"{where}.num_engines: engines over HTTP are launched for the 'local' engine only, "
-                        f"got {plain.get('name')!r}")
+    elif where == "rollout.engine" and not problems:
+        problems += _engine_problems(registry, plain, engines, extra)
+    return problems
+
+
+def _engine_problems(registry: Registry, plain: dict[str, Any], engines: int, extra: dict[str, Any]) -> list[str]:
+    """A server launcher (e.g. ``sglang``) runs only as N >= 1 engines over HTTP; ``local`` either way."""
+    from miles.rollout.engine_launcher import is_server_launcher
+
+    problems = []
+    name = plain.get("name")
+    launcher = is_server_launcher(registry.get("rollout_engine", name).obj)
+    if engines == 0 and launcher:
+        problems.append(f"rollout.engine.num_engines: engine {name!r} runs as a server of its own, so it needs "
+                        f"rollout.engine.num_engines >= 1 (engines over HTTP as Ray actors), got 0")
+    elif engines > 0 and not launcher and name != "local":
+        problems.append(f"rollout.engine.num_engines: engines over HTTP are 'local' or a server launcher "
+                        f"(e.g. 'sglang', 'miles_server'), got {name!r}")
+    release = extra.get("release_memory_during_train", False)
+    if not isinstance(release, bool):
+        problems.append(f"rollout.engine.release_memory_during_train: expected true or false, got {release!r}")
+    elif release and engines == 0:
+        problems.append("rollout.engine.release_memory_during_train: engines release their memory over HTTP; "
+                        "set rollout.engine.num_engines >= 1")
     return problems
 
 
@@ -131,6 +167,9 @@ def _schedule_problems(config: DictConfig) -> list[str]:
     if config.run.schedule == "sync":
         return []
     problems, node = [], config.rollout["async"]
+    if split_node(config.rollout.engine, "rollout.engine")[1]["release_memory_during_train"]:
+        problems.append(f"rollout.engine.release_memory_during_train: the engines generate while the trainer trains "
+                        f"with run.schedule {config.run.schedule}; it needs run.schedule sync")
     update = node["update"]  # not node.update: that is the mapping's method
     if config.rollout.partial_rollout and update not in (None, "abort"):
         problems.append(f"rollout.partial_rollout: with run.schedule {config.run.schedule}, samples are aborted and "
@@ -172,6 +211,7 @@ def validate_config(config: DictConfig, registry: Registry) -> None:
         value = OmegaConf.select(config, key)
         if not ok(value):
             problems.append(f"{key}: expected {expected}, got {value!r}")
+    problems += _resource_problems(config.cluster)
     if config.model.path is None and config.model.tokenizer.kind != "char":
         problems.append(f"model.tokenizer.kind: only 'char' can be built locally, got {config.model.tokenizer.kind!r}")
     if config.data.train_path is None and config.data.generator is None:

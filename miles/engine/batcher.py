@@ -60,6 +60,7 @@ class ContinuousBatcher:
                  generator: torch.Generator, max_batch_size: int, version: Callable[[], int],
                  background: bool = True, prefix_cache_tokens: int = 0) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device  # every tensor of the batch lives beside the weights
         self.context_length, self.pad, self.eos = context_length, pad_token_id, eos_token_id
         self.generator, self.max_batch_size, self.version = generator, max_batch_size, version
         self.step_lock = threading.Lock()  # held for each step and by weight updates
@@ -75,9 +76,10 @@ class ContinuousBatcher:
         self._closed = False
         self._rows: list[Request] = []
         self._cache: DynamicCache | None = None
-        self._mask = torch.zeros((0, 0), dtype=torch.long)  # [B, T]
-        self._next_pos = torch.zeros(0, dtype=torch.long)  # [B] position of each row's pending token
-        self._pending = torch.zeros(0, dtype=torch.long)  # [B] sampled, not yet fed
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)  # [B, T]
+        # [B] position of each row's pending token
+        self._next_pos = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._pending = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] sampled, not yet fed
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._run, name="miles-engine", daemon=True)
@@ -169,9 +171,9 @@ class ContinuousBatcher:
 
     def _reset(self) -> None:
         self._rows, self._cache = [], None
-        self._mask = torch.zeros((0, 0), dtype=torch.long)
-        self._next_pos = torch.zeros(0, dtype=torch.long)
-        self._pending = torch.zeros(0, dtype=torch.long)
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self._next_pos = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._pending = torch.zeros(0, dtype=torch.long, device=self.device)
 
     def _has_aborted(self) -> bool:
         return any(r.aborted and r.finish is None for r in self._queue + self._rows)
@@ -216,9 +218,9 @@ class ContinuousBatcher:
         past = max(h for h, _ in hits)
         suffixes = [r.prompt[h:] for r, (h, _) in zip(unique, hits)]
         width = max(len(s) for s in suffixes)
-        ids = torch.tensor([[self.pad] * (width - len(s)) + s for s in suffixes])
+        ids = torch.tensor([[self.pad] * (width - len(s)) + s for s in suffixes], device=self.device)
         mask = torch.tensor([[0] * (past - h) + [1] * h + [0] * (width - len(s)) + [1] * len(s)
-                             for (h, _), s in zip(hits, suffixes)])
+                             for (h, _), s in zip(hits, suffixes)], device=self.device)
         cache = DynamicCache(_past_block(hits, past)) if past else DynamicCache()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
@@ -238,7 +240,7 @@ class ContinuousBatcher:
                 mask = _pack(cache, mask, of, max(len(r.prompt) for r in requests))
                 logits = logits[of]
         tokens = self._sample(logits[:, -1, :].float(), requests)
-        next_pos = torch.tensor([len(r.prompt) for r in requests])
+        next_pos = torch.tensor([len(r.prompt) for r in requests], device=self.device)
         if self._cache is None:
             self._cache, self._mask, self._next_pos, self._pending = cache, mask, next_pos, tokens
         else:
@@ -266,7 +268,8 @@ class ContinuousBatcher:
     @torch.inference_mode()
     def _decode(self) -> None:
         batch = len(self._rows)
-        self._mask = torch.cat([self._mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+        column = torch.ones((batch, 1), dtype=torch.long, device=self.device)
+        self._mask = torch.cat([self._mask, column], dim=1)
         logits = self.model(input_ids=self._pending.unsqueeze(1), attention_mask=self._mask,
                             position_ids=self._next_pos.unsqueeze(1), cache=self._cache, use_cache=True).logits[:, -1, :].float()
         self.stats["decode_steps"] += 1
@@ -278,7 +281,7 @@ class ContinuousBatcher:
         """Log-probs of the prompt's tokens from ``logprob_start_len`` (``logits``: [L - 1, V], the predictions of
         tokens 1..L-1); the first token has none."""
         logprobs = logits.log_softmax(dim=-1)
-        targets = torch.tensor(r.prompt[1:], dtype=torch.long)
+        targets = torch.tensor(r.prompt[1:], dtype=torch.long, device=logits.device)
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
         top = _top(logprobs, r.top_logprobs_num) if r.top_logprobs_num else [None] * len(chosen)
         start = r.logprob_start_len
@@ -291,8 +294,9 @@ class ContinuousBatcher:
             logits = torch.where(finite.unsqueeze(1), logits, torch.zeros_like(logits))
         params = [r.params for r in rows]
         tokens = sample_next(
-            logits, torch.tensor([float(p.temperature) for p in params]), torch.tensor([float(p.top_p) for p in params]),
-            torch.tensor([p.top_k for p in params]), self.generator,
+            logits, torch.tensor([float(p.temperature) for p in params], device=self.device),
+            torch.tensor([float(p.top_p) for p in params], device=self.device),
+            torch.tensor([p.top_k for p in params], device=self.device), self.generator,
         )
         all_logprobs = logits.log_softmax(dim=-1)  # [B, V]
         logprobs = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
@@ -338,7 +342,7 @@ class ContinuousBatcher:
         if not keep:
             self._reset()
             return
-        index = torch.tensor(keep)
+        index = torch.tensor(keep, device=self.device)
         self._rows = [self._rows[i] for i in keep]
         self._mask, self._next_pos, self._pending = self._mask[index], self._next_pos[index], self._pending[index]
         lead = int((self._mask.sum(dim=0) == 0).long().cumprod(0).sum())  # columns no row attends to
@@ -399,7 +403,7 @@ def _past_block(hits: list[tuple[int, torch.Tensor | None]], past: int) -> list[
 def _pack(cache: DynamicCache, mask: torch.Tensor, rows: list[int], span: int) -> torch.Tensor:
     """Make the prefill's cache hold ``rows`` (repeats allowed), each with its attended columns moved to the right
     end of ``span`` columns, in order (no holes); returns their mask."""
-    index = torch.tensor(rows)
+    index = torch.tensor(rows, device=mask.device)
     order = mask.argsort(dim=1, stable=True)[index][:, -span:]  # unattended columns first, each kind in order
     for layer in cache.layers:
         gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])

@@ -19,17 +19,26 @@ from miles.engine.batcher import ContinuousBatcher, Request
 from miles.engine.sampling import SamplingParams
 from miles.models import load_model, load_tokenizer
 
-__all__ = ["LocalEngine"]
+__all__ = ["LocalEngine", "MEMORY_TAGS"]
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names; the CPU engine has no CUDA graphs (no-op)
 
 
 class LocalEngine:
     """Registered as rollout engine ``local``."""
 
     def __init__(self, max_batch_size: int = 1024, seed: int = 0, background: bool = False,
-                 prefix_cache_tokens: int = 32768) -> None:
+                 prefix_cache_tokens: int = 32768, device: str = "cpu", dtype: str = "float32") -> None:
+        """``device``: cpu, cuda (one GPU) or auto (cuda when torch sees one); ``dtype``: the weights' type
+        (float32, bfloat16 or float16; auto: bfloat16 on a GPU that supports it, else float32)."""
         if not _is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens: expected an integer >= 0 (0: no prefix cache), "
                              f"got {prefix_cache_tokens!r}")
+        if device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device: expected cpu, cuda or auto, got {device!r}")
+        if dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ValueError(f"dtype: expected float32, bfloat16, float16 or auto, got {dtype!r}")
+        self.device, self.dtype = device, dtype
         self.max_batch_size = max_batch_size
         self.prefix_cache_tokens = prefix_cache_tokens
         # background: a worker thread batches continuously while the caller's loop runs (servers);
@@ -40,6 +49,9 @@ class LocalEngine:
         self.model_path: str | None = None
         self.tokenizer: Any = None
         self.weight_version = 0
+        self.released: set[str] = set()  # memory given back (release_memory): "weights", "kv_cache"
+        self.weights_stale = False  # weights resumed after a release hold nothing until an update
+        self._released_shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []
         self.batcher: ContinuousBatcher | None = None
         self._turn: list[Request] = []
         self._outbox_lock = threading.Lock()
@@ -49,7 +61,14 @@ class LocalEngine:
 
     def load_model(self, path: str) -> None:
         self.model_path = str(path)
-        self.model = load_model(path).eval()
+        device = torch.device("cuda" if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+                              else "cpu")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device is 'cuda' but torch sees no GPU")
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+        self.model = load_model(path, dtype=getattr(torch, dtype)).to(device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = load_tokenizer(path)
         self.context_length = int(self.model.config.max_position_embeddings)
@@ -58,7 +77,7 @@ class LocalEngine:
             self.batcher.close()
         self.batcher = ContinuousBatcher(
             self.model, self.tokenizer, context_length=self.context_length, pad_token_id=pad,
-            eos_token_id=self.tokenizer.eos_token_id, generator=torch.Generator().manual_seed(self.seed),
+            eos_token_id=self.tokenizer.eos_token_id, generator=torch.Generator(device).manual_seed(self.seed),
             max_batch_size=self.max_batch_size, version=lambda: self.weight_version, background=self.background,
             prefix_cache_tokens=self.prefix_cache_tokens,
         )
@@ -78,6 +97,9 @@ class LocalEngine:
         is applied. The version becomes ``weight_version`` when given (the trainer's policy version), else it
         is bumped.
         """
+        if "weights" in self.released:
+            raise ValueError("the engine's weights are released (release_memory_occupation); resume them "
+                             "(resume_memory_occupation) before an update")
         current = self.model.state_dict()
         problems = _weight_problems(current, state_dict, allow_non_finite)
         if problems:
@@ -88,7 +110,57 @@ class LocalEngine:
                 current[name].copy_(tensor)
             self.batcher.clear_prefix_cache()  # K/V of the old weights
             self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+            self.weights_stale = False
         return self.weight_version
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Give back memory while a colocated trainer trains (SGLang's ``release_memory_occupation``): ``weights``
+        (the parameters' storage) and ``kv_cache`` (the prefix cache); None or [] means both. Only when idle."""
+        tags = self._memory_tags(tags)
+        load = self.batcher.load()
+        if load["running_requests"] or load["waiting_requests"] or self._turn:
+            raise ValueError(f"the engine is busy ({load['running_requests']} running, {load['waiting_requests']} "
+                             f"waiting); release memory only when it is idle")
+        with self.batcher.step_lock, torch.no_grad():
+            if "kv_cache" in tags:
+                self.batcher.clear_prefix_cache()
+            if "weights" in tags and "weights" not in self.released:
+                # tied parameters are one object: released once; the shapes come back with resume_memory
+                self._released_shapes = [(param, param.shape) for param in self.model.parameters()]
+                for param, _ in self._released_shapes:
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            self.released |= tags
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take the memory back (SGLang's ``resume_memory_occupation``). As in SGLang without a CPU backup of the
+        weights, resumed weights hold nothing: the engine refuses to generate until weights are pushed again."""
+        tags = self._memory_tags(tags)
+        if not_released := sorted(tags - self.released):
+            raise ValueError(f"tags: {', '.join(not_released)} not released")
+        with self.batcher.step_lock, torch.no_grad():
+            if "weights" in tags:
+                for param, shape in self._released_shapes:
+                    param.data = torch.zeros(shape, dtype=param.dtype, device=param.device)
+                self._released_shapes = []
+                self.weights_stale = True
+            self.released -= tags
+
+    def refusal(self) -> str | None:
+        """Why the engine cannot generate now (memory released, weights not pushed since), else None."""
+        if self.released:
+            return (f"the engine's memory is released ({', '.join(sorted(self.released))}: "
+                    f"release_memory_occupation); resume_memory_occupation first")
+        if self.weights_stale:
+            return "the engine's weights were released and resumed but not updated since; push weights first"
+        return None
+
+    @staticmethod
+    def _memory_tags(tags: list[str] | None) -> set[str]:
+        if tags is None or tags == []:
+            return set(MEMORY_TAGS)
+        if not isinstance(tags, list) or any(t not in MEMORY_TAGS for t in tags):
+            raise ValueError(f"tags: expected a list of {', '.join(MEMORY_TAGS)} (or null for all), got {tags!r}")
+        return set(tags)
 
     def rng_state(self) -> torch.Tensor:
         """The sampling generator's state (saved in checkpoints so a resumed run samples the same)."""
@@ -138,6 +210,8 @@ class LocalEngine:
         ``input_top_logprobs``), ``return_text_in_logprobs`` fills each triple's text. ``return_entropy`` adds
         ``output_token_entropy`` (nats, of each next-token distribution before temperature).
         """
+        if (why := self.refusal()) is not None:
+            raise EngineUnavailable(why)
         params = SamplingParams.parse(sampling_params)
         if params.n != 1:
             raise ValueError("sampling_params.n: one call returns one sample; send n requests (or use the server)")
@@ -221,6 +295,10 @@ class LocalEngine:
                 f"input_ids: prompt of {len(input_ids)} tokens does not fit the context of "
                 f"{self.context_length} tokens"
             )
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot generate now (its memory is released); served as HTTP 503."""
 
 
 def _is_int(value: Any) -> bool:

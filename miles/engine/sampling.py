@@ -90,7 +90,7 @@ def sample_next(
     scaled = logits / temperature.clamp(min=1e-5).unsqueeze(1)
     if bool(((top_k > 0) | (top_p < 1)).any()):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(scaled.shape[-1]).unsqueeze(0)
+        ranks = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)
         k = torch.where(top_k > 0, top_k, scaled.shape[-1]).unsqueeze(1)
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs

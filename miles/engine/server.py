@@ -4,7 +4,9 @@
 
 Endpoints: ``POST /generate`` (SGLang's request schema, one prompt or a batch), ``GET /health``,
 ``GET /model_info`` and ``/server_info`` (also under their old names ``/get_model_info``, ``/get_server_info``),
-``POST /abort_request``, ``/flush_cache``, ``/pause_generation``, ``/continue_generation``, and the weight
+``POST /abort_request``, ``/flush_cache``, ``/pause_generation`` (SGLang's ``mode``), ``/continue_generation``,
+``/release_memory_occupation`` and ``/resume_memory_occupation`` (SGLang's ``tags``), ``GET /health_generate``
+(503 while the engine cannot generate), and the weight
 updates ``/update_weights_from_disk``, ``/update_weights_from_tensor``, ``/init_weights_update_group`` +
 ``/update_weights_from_distributed``, and ``/update_weights_from_shm`` (a descriptor of tensors in a file under
 /dev/shm that a trainer on this machine wrote; see :mod:`miles.weights.shm`); ``/server_info`` names
@@ -30,7 +32,7 @@ from miles.engine.http_guard import (
     LOOPBACK, MAX_REQUEST_BYTES, MAX_WEIGHT_REQUEST_BYTES, OCTET_STREAM, POLICY, QUIET_MALFORMED, WEIGHT_PATH, Policy,
     error_answer, guard, json_answer, json_body, read_body,
 )
-from miles.engine.local import LocalEngine
+from miles.engine.local import EngineUnavailable, LocalEngine
 from miles.weights.shm import SHM_PATH, MappedWeightFile, host_id, parse_descriptor
 from miles.weights.wire import DTYPES, broadcast_tensors, decode_named_tensors, open_weight_group
 
@@ -130,6 +132,8 @@ async def generate(request: web.Request) -> web.Response:
     try:
         jobs, batched = _generate_jobs(body, engine)
         answers = await asyncio.gather(*(engine.generate(**job) for job in jobs))
+    except EngineUnavailable as exc:  # memory released: not this request's fault, and not for long
+        return error_answer(503, str(exc))
     except ValueError as exc:
         return error_answer(400, str(exc))
     return json_answer(answers if batched else answers[0])
@@ -139,7 +143,16 @@ async def generate(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Liveness: the server answers (also while its memory is released)."""
     return json_answer({"status": "ok", "weight_version": request.app[ENGINE].weight_version})
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """Readiness, as SGLang's: 503 while the engine cannot generate (memory released, weights not pushed since)."""
+    engine = request.app[ENGINE]
+    if (why := engine.refusal()) is not None:
+        return error_answer(503, why)
+    return json_answer({"status": "ok", "weight_version": engine.weight_version})
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -176,10 +189,41 @@ async def flush_cache(request: web.Request) -> web.Response:
     return json_answer({"success": True, "message": "the prefix cache is empty"})
 
 
+PAUSE_MODES = ("in_place", "retract", "abort")
+
+
 async def pause(request: web.Request) -> web.Response:
-    await json_body(request)
-    request.app[ENGINE].pause()
+    """SGLang's ``mode``: ``in_place`` and ``retract`` hold what is in flight (the engine keeps its KV cache
+    either way), ``abort`` ends it first. Without a mode the requests are held (SGLang aborts them)."""
+    body = await json_body(request)
+    mode = body.get("mode") or "in_place"
+    if mode not in PAUSE_MODES:
+        return error_answer(400, f"mode: expected one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+    engine = request.app[ENGINE]
+    if mode == "abort":
+        engine.abort(None)
+    engine.pause()
     return json_answer({"success": True})
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    """SGLang's ``tags`` (``weights``, ``kv_cache``; null for both). Only when idle; /generate answers 503 until
+    resumed, and after the weights are resumed until weights are pushed again."""
+    body = await json_body(request)
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, request.app[ENGINE].release_memory, body.get("tags"))
+    except ValueError as exc:
+        return error_answer(400, str(exc))
+    return json_answer({"success": True, "released": sorted(request.app[ENGINE].released)})
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    body = await json_body(request)
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, request.app[ENGINE].resume_memory, body.get("tags"))
+    except ValueError as exc:
+        return error_answer(400, str(exc))
+    return json_answer({"success": True, "released": sorted(request.app[ENGINE].released)})
 
 
 async def resume(request: web.Request) -> web.Response:
@@ -272,7 +316,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
     if missing:
         return error_answer(400, f"missing field(s): {', '.join(missing)}")
-    rank = int(body["rank_offset"]) + 1  # the trainer is rank 0
+    rank = int(body["rank_offset"])  # SGLang's rank = rank_offset + tp_rank; one rank here; the trainer is rank 0
     args = (body["master_address"], int(body["master_port"]), rank, int(body["world_size"]), body.get("backend", "gloo"))
     try:
         group = await asyncio.get_running_loop().run_in_executor(None, lambda: open_weight_group(*args))
@@ -348,6 +392,7 @@ def build_app(engine: LocalEngine, admin_token: str = "", *, max_request_bytes: 
     app[SHM_FILE] = []
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
     for path in ("/model_info", "/get_model_info"):
         app.router.add_get(path, model_info)
     for path in ("/server_info", "/get_server_info"):
@@ -361,11 +406,13 @@ def build_app(engine: LocalEngine, admin_token: str = "", *, max_request_bytes: 
     app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     app.router.add_post(SHM_PATH, update_weights_from_shm)
     app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/release_memory_occupation", release_memory_occupation)
+    app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
     return app
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 30000, seed: int = 0, admin_token: str = "", *,
-          max_request_bytes: int = MAX_REQUEST_BYTES, max_weight_request_bytes: int = MAX_WEIGHT_REQUEST_BYTES,
+          device: str = "cpu", dtype: str = "float32", max_request_bytes: int = MAX_REQUEST_BYTES, max_weight_request_bytes: int = MAX_WEIGHT_REQUEST_BYTES,
           allowed_hosts: tuple[str, ...] = ()) -> None:
     if host not in LOOPBACK and not admin_token:
         raise ValueError(f"--host {host}: serving beyond loopback needs an admin token (--admin-token or MILES_ADMIN_TOKEN)")
@@ -373,7 +420,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 30000, seed: int = 0,
     for name, value in limits:
         if value <= 0:
             raise ValueError(f"{name}: expected a size above 0, got {value / 2**20:g}")
-    engine = LocalEngine(seed=seed, background=True)
+    engine = LocalEngine(seed=seed, background=True, device=device, dtype=dtype)
     engine.load_model(model)
     if host not in LOOPBACK | {"0.0.0.0", "::", ""}:  # the name it was started with, e.g. --host node7.cluster
         allowed_hosts = (*allowed_hosts, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")

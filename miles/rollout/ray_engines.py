@@ -7,40 +7,59 @@ restart (killed with ``no_restart``, or out of restarts) is an engine gone for g
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import socket
+import sys
 import threading
+import time
 from typing import Any
 
+from miles.cluster import describe_capacity
 from miles.errors import RunError
 from miles.rollout.router import EngineGone, Router
 
-__all__ = ["EngineActor", "launch_engines", "shutdown_engines"]
+__all__ = ["EngineActor", "launch_engines", "shutdown_engines", "describe_nodes", "dead_node"]
+
+log = logging.getLogger(__name__)
 
 
 class EngineActor:
-    """Loads the model and serves it in a thread of its own; ``address`` answers once it is up."""
+    """Starts its engine server with a launcher (:mod:`miles.rollout.engine_launcher`) from a supervisor thread
+    that lives as long as the actor; ``address`` answers once the server is up. When the server's process
+    dies, the actor exits, and Ray restarts it (which starts a new server); when the actor dies, its server
+    is killed with it (the launcher's parent-death signal is tied to the supervisor thread)."""
 
-    def __init__(self, model_path: str, engine_args: dict[str, Any], host: str, admin_token: str, threads: int) -> None:
-        import torch
-        from aiohttp import web
+    def __init__(self, launcher: Any, model_path: str, host: str, admin_token: str, threads: int,
+                 startup_timeout_s: float = 120.0) -> None:
+        import queue
 
-        from miles.engine.local import LocalEngine
-        from miles.engine.server import build_app
-
-        torch.set_num_threads(threads)
-        self.engine = LocalEngine(**{**engine_args, "background": True})
-        self.engine.load_model(model_path)
+        self.launcher = launcher
         with socket.socket() as s:
             s.bind((host, 0))
             self.port = s.getsockname()[1]
-        self.url = f"http://{host}:{self.port}"
-        loop = asyncio.new_event_loop()
-        runner = web.AppRunner(build_app(self.engine, admin_token))
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, host, self.port).start())
-        threading.Thread(target=loop.run_forever, name="miles-engine-http", daemon=True).start()
+        started: queue.Queue = queue.Queue()
+
+        def supervise() -> None:
+            try:
+                url = launcher.start(model_path, host=host, port=self.port, admin_token=admin_token, threads=threads,
+                                     timeout_s=startup_timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - handed to __init__, which raises it
+                started.put(exc)
+                return
+            started.put(url)
+            while launcher.alive():
+                time.sleep(0.2)
+            print(f"miles: the engine server at {url} stopped; this engine actor exits (Ray restarts it): "
+                  f"{launcher.describe()}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+        threading.Thread(target=supervise, name="miles-engine-supervisor", daemon=True).start()
+        result = started.get()
+        if isinstance(result, BaseException):
+            raise result
+        self.url = result
 
     def address(self) -> str:
         return self.url
@@ -48,25 +67,41 @@ class EngineActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
 
-def launch_engines(ray: Any, count: int, model_path: str, engine_args: dict[str, Any], *, cpus_per_engine: float,
-                   multi_node: bool, startup_timeout_s: float, router_args: dict[str, Any]) -> tuple[Router, list[Any], Any]:
-    """Start ``count`` engine actors in a placement group; returns the router, the actors, the group."""
+        return ray.get_runtime_context().get_node_id()
+
+    def describe(self) -> dict[str, Any]:
+        """The launcher's description: ``protocol``, ``tp_size``, the server's ``pid`` and ``log``."""
+        return self.launcher.describe()
+
+
+def launch_engines(ray: Any, count: int, model_path: str, launcher: Any, *, cpus_per_engine: float,
+                   multi_node: bool, startup_timeout_s: float, router_args: dict[str, Any],
+                   resources: dict[str, float] | None = None) -> tuple[Router, list[Any], Any]:
+    """Start ``count`` engine actors in a placement group; returns the router, the actors, the group.
+    Each reserves ``cpus_per_engine`` CPUs and the custom ``resources`` (placing it on the nodes that have them)."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
     token = secrets.token_hex(16) if multi_node else ""
-    group = placement_group([{"CPU": cpus_per_engine}] * count, strategy="PACK")
+    resources = dict(resources or {})
+    gpus = float(getattr(launcher, "gpus", 0.0))  # an SGLang server: its tensor-parallel size
+    bundle = {"CPU": cpus_per_engine, **({"GPU": gpus} if gpus else {}), **resources}
+    group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK")
     if not group.wait(startup_timeout_s):
         remove_placement_group(group)
-        raise RunError(f"could not place {count} engine(s) of {cpus_per_engine} CPU each within {startup_timeout_s} s; "
-                       f"the cluster has {ray.cluster_resources().get('CPU', 0)} CPUs")
+        raise RunError(f"could not place {count} engine(s) of {bundle} each within {startup_timeout_s} s "
+                       f"(cluster.cpus_per_engine, cluster.engine_resources); {describe_capacity(ray, bundle)}")
     remote = ray.remote(EngineActor)
     actors = [
-        remote.options(num_cpus=cpus_per_engine, max_restarts=-1, max_task_retries=-1, max_concurrency=4,
+        remote.options(num_cpus=cpus_per_engine, num_gpus=gpus, resources=resources, max_restarts=-1, max_task_retries=-1,
+                       max_concurrency=4,
                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i))
-        .remote(model_path, engine_args, host, token, max(1, int(cpus_per_engine)))
+        .remote(launcher, model_path, host, token, max(1, int(cpus_per_engine)), startup_timeout_s)
         for i in range(count)
     ]
     try:
@@ -78,22 +113,57 @@ def launch_engines(ray: Any, count: int, model_path: str, engine_args: dict[str,
         raise RunError(f"engines did not start within {startup_timeout_s} s (cluster.engine_startup_timeout_s): "
                        f"{type(exc).__name__}: {exc}") from exc
     router = Router(urls, admin_token=token, **router_args)
-    for endpoint, actor in zip(router.engines, actors):
-        endpoint.resolve = _resolver(actor)
-        endpoint.meta["actor"] = actor
+    nodes = ray.get([a.node_id.remote() for a in actors])
+    print(f"rollout.engine: {count} engine(s) on Ray node(s) {describe_nodes(ray, nodes)}", file=sys.stderr)
+    for endpoint, actor, node in zip(router.engines, actors, nodes):
+        endpoint.meta.update(actor=actor, node=node)
+        # what the weight transports may send it (miles-sglang: no safetensors tensors, tp ranks per engine)
+        endpoint.meta.update(protocol=getattr(launcher, "protocol", "miles"), tp_size=getattr(launcher, "tp_size", 1))
+        endpoint.resolve = _resolver(ray, router, endpoint, bundle)
     return router, actors, group
 
 
-def _resolver(actor: Any):
+def _resolver(ray: Any, router: Router, endpoint: Any, bundle: dict[str, float]):
+    """The engine's address, from its actor: a restarted actor answers with its new one. An engine whose
+    Ray node died is reported once, naming the node, and waits to be re-placed where there is room."""
     from ray.exceptions import ActorDiedError
+
+    actor = endpoint.meta["actor"]
 
     async def resolve() -> str:
         try:  # while Ray restarts the actor, the call waits for the new one
-            return await asyncio.wait_for(actor.address.remote(), timeout=5)
+            url = await asyncio.wait_for(actor.address.remote(), timeout=5)
         except ActorDiedError as exc:
             raise EngineGone("its Ray actor died and will not be restarted") from exc
+        except asyncio.TimeoutError:
+            lost = await asyncio.to_thread(dead_node, ray, endpoint.meta["node"])
+            if lost is not None and endpoint.meta.get("lost_node") != endpoint.meta["node"]:
+                endpoint.meta["lost_node"] = endpoint.meta["node"]
+                router.stats["engines_lost_with_node"] += 1
+                capacity = await asyncio.to_thread(describe_capacity, ray, bundle)
+                log.warning("miles: %s was on Ray node %s, which is gone (its raylet stopped); Ray re-places the "
+                            "engine when a live node has room for %s: %s", router.name(endpoint), lost, bundle, capacity)
+            raise
+        if endpoint.meta.get("lost_node") is not None:  # re-placed: note where it runs now
+            endpoint.meta["node"] = await actor.node_id.remote()
+            endpoint.meta["lost_node"] = None
+        return url
 
     return resolve
+
+
+def describe_nodes(ray: Any, node_ids: list[str]) -> str:
+    """``<address> (<id>)`` of each node, in order (the engines' placement, printed at start)."""
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return ", ".join(f"{address.get(node, '?')} ({node[:8]})" for node in node_ids)
+
+
+def dead_node(ray: Any, node_id: str) -> str | None:
+    """``"<address> (<id>)"`` when Ray knows node ``node_id`` as dead, else None."""
+    for node in ray.nodes():
+        if node["NodeID"] == node_id and not node.get("Alive"):
+            return f"{node['NodeManagerAddress']} ({node_id[:8]})"
+    return None
 
 
 def shutdown_engines(ray: Any, actors: list[Any], group: Any) -> None:

@@ -51,6 +51,30 @@ class NoEngineLeft(NoHealthyEngine):
     """Every engine failed and none can come back: the run cannot go on (not one sample's failure)."""
 
 
+# SGLang's /pause_generation aborts what is in flight unless told otherwise; Miles holds it (in place).
+PAUSE_IN_PLACE = {"mode": "in_place"}
+
+
+def _version(value: Any) -> int | None:
+    """A weight version as an integer: SGLang sends strings ("7"), and "default" before any update."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
+
+
+def _error_text(payload: Any) -> str:
+    """The reason in an engine's refusal: ``error`` (Miles), ``message`` (SGLang), else the whole answer."""
+    if isinstance(payload, dict):
+        for key in ("error", "message"):
+            if isinstance(payload.get(key), str):
+                return payload[key]
+            if isinstance(payload.get(key), dict) and isinstance(payload[key].get("message"), str):
+                return payload[key]["message"]
+    return str(payload)
+
+
 @dataclass(eq=False)
 class EngineEndpoint:
     url: str
@@ -80,7 +104,7 @@ class Router:
         self.request_timeout_s = request_timeout_s
         self.on_readmit = on_readmit
         self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        self.stats = {"engine_failures": 0, "retries": 0, "readmissions": 0}
+        self.stats = {"engine_failures": 0, "retries": 0, "readmissions": 0, "engines_lost_with_node": 0}
         self.paused = False  # a re-admitted engine is paused too
         self.batch_requests = batch_requests
         self._batch: list[tuple[dict[str, Any], asyncio.Future]] = []  # this loop turn's requests
@@ -131,13 +155,20 @@ class Router:
         else:
             kwargs = {"json": body, "headers": self.headers}
         async with self._session.post(engine.url + path, timeout=timeout, params=params, **kwargs) as resp:
-            payload = await resp.json(content_type=None)
+            try:
+                payload = await resp.json(content_type=None)  # SGLang answers some posts with an empty body
+            except ValueError:
+                payload = {"error": (await resp.text())[:2000]}
             if resp.status == 400:
-                raise EngineRequestError(payload.get("error", str(payload)))
+                raise EngineRequestError(_error_text(payload))
             if resp.status != 200:
                 raise RuntimeError(f"{engine.url}{path} answered HTTP {resp.status}: {payload}")
             if isinstance(payload, dict) and isinstance(payload.get("weight_version"), int):
-                engine.weight_version = payload["weight_version"]  # weight updates answer with the new version
+                engine.weight_version = payload["weight_version"]  # the embedded engine answers with the new version
+            elif path.startswith("/update_weights") and (sent := _version((params or {}).get("weight_version")
+                                                                         if isinstance(body, bytes) else
+                                                                         body.get("weight_version"))) is not None:
+                engine.weight_version = sent  # SGLang answers {success, message}: it holds the version it was sent
             return payload
 
     async def post_all(self, path: str, body: dict[str, Any] | bytes, timeout_s: float | None = None,
@@ -168,7 +199,7 @@ class Router:
     async def pause(self) -> None:
         """Hold generation on every engine in service (requests stay in flight), and on any re-admitted later."""
         self.paused = True
-        await self.post_all("/pause_generation", {})
+        await self.post_all("/pause_generation", PAUSE_IN_PLACE)
 
     async def resume(self) -> None:
         self.paused = False
@@ -269,7 +300,9 @@ class Router:
                 raise RuntimeError(f"{self.name(engine)} answered a batch of {len(bodies)} requests with "
                                    f"{len(answers) if isinstance(answers, list) else type(answers).__name__}")
             engine.served += len(bodies)
-            engine.weight_version = max(a["meta_info"].get("weight_version", engine.weight_version) for a in answers)
+            # SGLang reports its version as a string ("7", or "default" before any update)
+            versions = [_version(a["meta_info"].get("weight_version")) for a in answers]
+            engine.weight_version = max([v for v in versions if v is not None], default=engine.weight_version)
             return answers
         raise NoHealthyEngine(f"request failed on {self.max_retries + 1} attempts (cluster.router.max_retries); "
                               f"last error: {type(last_error).__name__}: {last_error}")
@@ -313,7 +346,12 @@ class Router:
                 async with self._session.get(engine.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                     if resp.status != 200:
                         raise RuntimeError(f"/health answered HTTP {resp.status}")
-                    engine.weight_version = (await resp.json()).get("weight_version", engine.weight_version)
+                    try:  # the embedded engine names its weight version; SGLang answers with an empty body
+                        health = await resp.json(content_type=None)
+                    except ValueError:
+                        health = None
+                    if isinstance(health, dict) and (version := _version(health.get("weight_version"))) is not None:
+                        engine.weight_version = version
             except EngineGone as exc:  # only a failed engine is looked up again: it is quarantined already
                 engine.gone = True
                 log.warning("miles: %s cannot come back: %s", self.name(engine), exc)
@@ -333,7 +371,7 @@ class Router:
     async def _readmit(self, engine: EngineEndpoint) -> bool:
         try:
             if self.paused:
-                await self.post(engine, "/pause_generation", {})
+                await self.post(engine, "/pause_generation", PAUSE_IN_PLACE)
             if self.on_readmit is not None:
                 await self.on_readmit(engine)
         except EngineRequestError as exc:  # it refuses the catch-up: stays out, tried again at the next check

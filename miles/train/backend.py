@@ -23,7 +23,9 @@ class TrainBackend(Protocol):
     the loop then calls these methods. ``miles.testing.BackendConformance`` checks the contract.
     A backend whose workers are Ray actors sets the class attribute ``uses_ray = True``, and the
     runner starts (or joins) the configured Ray cluster before building it; its ``ray_cpus`` (the
-    logical CPUs its workers reserve) is checked against ``cluster.num_cpus`` before the run starts.
+    logical CPUs its workers reserve) is checked against ``cluster.num_cpus`` before the run starts; before
+    ``setup`` the runner sets its ``ray_resources`` (``cluster.train_resources``: custom Ray resources each
+    worker's bundle must also reserve, which place the workers on the nodes that offer them).
     The constructor only checks its arguments (``miles config`` builds it to run those checks); work
     starts in ``setup``.
     """

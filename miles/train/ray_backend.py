@@ -3,6 +3,7 @@ placement-group bundle, and the loop drives it through a proxy with the same con
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from miles.errors import RunError
@@ -18,6 +19,11 @@ class BackendHost:
 
         torch.set_num_threads(threads)
         self.backend = backend
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.backend, method)(*args, **kwargs)
@@ -80,16 +86,25 @@ class RemoteBackend:
             remove_placement_group(self._group)
 
 
-def launch_backend(ray: Any, backend: Any, *, cpus: float, startup_timeout_s: float) -> RemoteBackend:
+def launch_backend(ray: Any, backend: Any, *, cpus: float, startup_timeout_s: float,
+                   resources: dict[str, float] | None = None) -> RemoteBackend:
+    """Ship ``backend`` to an actor reserving ``cpus`` CPUs and the custom ``resources`` (cluster.train_resources)."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    group = placement_group([{"CPU": cpus}], strategy="PACK")
+    from miles.cluster import describe_capacity
+    from miles.rollout.ray_engines import describe_nodes
+
+    resources = dict(resources or {})
+    bundle = {"CPU": cpus, **resources}
+    group = placement_group([bundle], strategy="PACK")
     if not group.wait(startup_timeout_s):
         remove_placement_group(group)
-        raise RunError(f"could not place the training worker ({cpus} CPU) within {startup_timeout_s} s; "
-                       f"the cluster has {ray.cluster_resources().get('CPU', 0)} CPUs")
+        raise RunError(f"could not place the training worker ({bundle}) within {startup_timeout_s} s "
+                       f"(cluster.train_cpus, cluster.train_resources); {describe_capacity(ray, bundle)}")
     actor = ray.remote(BackendHost).options(
-        num_cpus=cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+        num_cpus=cpus, resources=resources, scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
     ).remote(backend, max(1, int(cpus)))
+    node = ray.get(actor.node_id.remote(), timeout=startup_timeout_s)
+    print(f"backend: the training worker on Ray node {describe_nodes(ray, [node])}", file=sys.stderr)
     return RemoteBackend(ray, actor, group)

@@ -49,6 +49,22 @@ def _copy_to_local(plane: Any, weights: dict[str, torch.Tensor], version: int) -
     return _nbytes(weights)
 
 
+def _sglang(engines: list[Any]) -> list[Any]:
+    """The engines among ``engines`` that are SGLang servers (``miles-sglang``): they take no safetensors bytes."""
+    return [e for e in engines if e.meta.get("protocol") == "sglang"]
+
+
+def _refuse_sglang(name: str, engines: list[Any]) -> None:
+    """SGLang's /update_weights_from_tensor takes handles to tensors in the sender's memory (its
+    MultiprocessingSerializer: CUDA IPC or shared-memory file descriptors), not bytes, and it has no
+    /update_weights_from_shm: these transports cannot reach it."""
+    if sglang := _sglang(engines):
+        raise ConfigError(f"rollout.weight_sync: {name!r} cannot update SGLang servers "
+                          f"({', '.join(e.url for e in sglang)}): SGLang's /update_weights_from_tensor takes handles to "
+                          f"tensors in the sender's GPU memory, not safetensors bytes. Use disk (a checkpoint directory "
+                          f"the servers can read) or distributed (a broadcast group), or auto (disk for SGLang servers)")
+
+
 def _in_service(plane: Any) -> list[Any]:
     """The engines in service, read on the rollout loop, where no re-admission is half done."""
     async def read() -> list[Any]:
@@ -86,6 +102,7 @@ class TensorTransport:
     def _send(self, weights: dict[str, torch.Tensor], plane: Any, version: int) -> int:
         if not plane.remote:
             return _copy_to_local(plane, weights, version)
+        _refuse_sglang("tensor", plane.router.engines)
         self._last = (tensor_bytes(weights), version)
         plane.post_all("/update_weights_from_tensor", self._last[0], params={"weight_version": str(version)})
         return _nbytes(weights)
@@ -101,6 +118,7 @@ class DiskTransport:
     """``disk``: the backend writes an HF checkpoint, engines load it with ``/update_weights_from_disk``."""
 
     def __init__(self, dir: str | None = None, keep: int = 2) -> None:
+        self._temporary = not dir  # a folder of its own, removed by close()
         self.dir = Path(dir) if dir else Path(tempfile.mkdtemp(prefix="miles-weights-"))
         self.keep = max(1, keep)
         self._written: list[Path] = []
@@ -110,7 +128,8 @@ class DiskTransport:
         path = self.dir / f"v{version:08d}"
         backend.save_pretrained(str(path))
         self._written.append(path)
-        self._last = {"model_path": str(path), "weight_version": version}
+        # SGLang's weight_version is a string; the embedded engine takes both
+        self._last = {"model_path": str(path), "weight_version": str(version)}
         if plane.remote:
             plane.post_all("/update_weights_from_disk", self._last)
         else:
@@ -122,8 +141,13 @@ class DiskTransport:
         return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
     async def catch_up(self, plane: Any, engine: Any) -> None:
-        while (last := self._last) is not None and engine.weight_version != last["weight_version"]:
+        while (last := self._last) is not None and engine.weight_version != int(last["weight_version"]):
             await plane.router.post(engine, "/update_weights_from_disk", last)
+
+    def close(self) -> None:
+        """Remove the checkpoints of a folder made for them (one given in ``dir`` keeps its last ``keep``)."""
+        if self._temporary:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class DistributedTransport:
@@ -150,14 +174,20 @@ class DistributedTransport:
             s.bind((self.master_address, 0))
             port = s.getsockname()[1]
 
+        # The trainer is rank 0; an engine of tp_size ranks takes ranks rank_offset .. rank_offset + tp_size - 1
+        # (SGLang's rank = rank_offset + tp_rank).
+        sizes = [int(e.meta.get("tp_size", 1)) for e in engines]
+        offsets = [1 + sum(sizes[:i]) for i in range(len(engines))]
+        world_size = 1 + sum(sizes)
+
         async def join_all() -> list[Any]:
             return await asyncio.gather(*(plane.router.post(e, "/init_weights_update_group", {
-                "master_address": self.master_address, "master_port": port, "rank_offset": i,
-                "world_size": len(engines) + 1, "backend": "gloo", "group_name": "miles"}, self.timeout_s)
-                for i, e in enumerate(engines)))
+                "master_address": self.master_address, "master_port": port, "rank_offset": offset,
+                "world_size": world_size, "backend": "gloo", "group_name": "miles"}, self.timeout_s)
+                for offset, e in zip(offsets, engines)))
 
         joined = asyncio.run_coroutine_threadsafe(join_all(), plane.aio.loop)
-        group = open_weight_group(self.master_address, port, 0, len(engines) + 1, timeout_s=self.timeout_s)
+        group = open_weight_group(self.master_address, port, 0, world_size, timeout_s=self.timeout_s)
         joined.result(self.timeout_s)
         self._group, self._members = group, members
 
@@ -172,7 +202,7 @@ class DistributedTransport:
             self._ensure_group(plane, engines)
             tensors = [t.detach().contiguous() for t in weights.values()]
             body = {"names": list(weights), "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                    "shapes": [list(t.shape) for t in tensors], "group_name": "miles", "weight_version": version}
+                    "shapes": [list(t.shape) for t in tensors], "group_name": "miles", "weight_version": str(version)}
             posted = asyncio.run_coroutine_threadsafe(
                 plane.router.post_all("/update_weights_from_distributed", body, self.timeout_s, engines=engines),
                 plane.aio.loop)
@@ -182,14 +212,37 @@ class DistributedTransport:
             if posted is not None:
                 posted.cancel()  # engines left waiting in the broken broadcast answer nobody
             self._group, self._members = None, ()
+            if _sglang(engines):  # they take no tensors: the failure stands
+                raise
             plane.post_all("/update_weights_from_tensor", tensor_bytes(weights),
                            params={"weight_version": str(version)})
         return _nbytes(weights)
 
     async def catch_up(self, plane: Any, engine: Any) -> None:
+        if _sglang([engine]):
+            # No tensors for SGLang: it gets the last weights through a group of its own with this process.
+            while (last := self._last) is not None and engine.weight_version != last[1]:
+                await asyncio.get_running_loop().run_in_executor(None, self._broadcast_to, plane, engine, *last)
+            return
         while (last := self._last) is not None and engine.weight_version != last[1]:
             await plane.router.post(engine, "/update_weights_from_tensor", tensor_bytes(last[0]),
                                     params={"weight_version": str(last[1])})
+
+    def _broadcast_to(self, plane: Any, engine: Any, weights: dict[str, torch.Tensor], version: int) -> None:
+        """One engine's catch-up by broadcast, in a group of its own (the shared group is formed again at the
+        next push, since the engines in service changed)."""
+        self._group, self._members = None, ()
+        try:
+            self._ensure_group(plane, [engine])
+            tensors = [t.detach().contiguous() for t in weights.values()]
+            body = {"names": list(weights), "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                    "shapes": [list(t.shape) for t in tensors], "group_name": "miles", "weight_version": str(version)}
+            posted = asyncio.run_coroutine_threadsafe(plane.router.post(engine, "/update_weights_from_distributed", body,
+                                                                        self.timeout_s), plane.aio.loop)
+            broadcast_tensors(self._group, tensors)
+            posted.result(self.timeout_s)
+        finally:
+            self._group, self._members = None, ()
 
 
 class SharedMemoryUnavailable(ConfigError):
@@ -237,6 +290,7 @@ class SharedMemoryTransport:
     def _send(self, weights: dict[str, torch.Tensor], plane: Any, version: int) -> int:
         if not plane.remote:
             return _copy_to_local(plane, weights, version)
+        _refuse_sglang("shm", plane.router.engines)
         self._write(weights, version)
         refused = plane.run(self._post_each(plane, self._last))
         unreadable = [engine for engine, refusal in refused if _unreadable(refusal)]
@@ -351,10 +405,18 @@ class AutoTransport:
     the file after all (a container with a /dev/shm of its own, another user) gets that push as tensors, and
     tensors from then on; so does every engine once /dev/shm cannot hold the weights."""
 
-    exports_only = True  # a push reads only backend.export_weights(): it may send a snapshot later
+    @property
+    def exports_only(self) -> bool:
+        """Whether a push reads only backend.export_weights() (not with SGLang servers: it saves a checkpoint)."""
+        return self._disk is None
+
+    def use_disk(self) -> None:
+        """Send checkpoints on disk (what SGLang servers take) from now on; the runner calls it for ``sglang``."""
+        self._disk = self._disk or DiskTransport()
 
     def __init__(self) -> None:
         self._local, self._tensor, self._shm = InProcessTransport(), TensorTransport(), SharedMemoryTransport()
+        self._disk: DiskTransport | None = None  # for SGLang servers, made on first use
         self._here: dict[tuple[str, int], bool] = {}  # (url, incarnation): whether it runs on this machine
         self._shm_works = True
         self._last: Any = None  # the transport of the last push
@@ -362,6 +424,10 @@ class AutoTransport:
     def push(self, backend: Any, plane: Any, version: int) -> int:
         if not plane.remote:
             return self._local.push(backend, plane, version)
+        if self._disk is not None or _sglang(plane.router.engines):  # SGLang takes no tensor bytes, no shm file
+            self.use_disk()
+            self._last = self._disk
+            return self._disk.push(backend, plane, version)
         weights = backend.export_weights()
         if self._shm_works and plane.run(self._all_here(plane)):
             self._last = self._shm  # before it posts: a catch-up from now on follows shm
@@ -411,3 +477,5 @@ class AutoTransport:
 
     def close(self) -> None:
         self._shm.close()
+        if self._disk is not None:
+            self._disk.close()

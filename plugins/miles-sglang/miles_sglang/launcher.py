@@ -1,0 +1,121 @@
+"""``python -m sglang.launch_server`` as a Miles engine server, one per engine actor.
+
+The flags are SGLang's (checked against ``sglang.srt.server_args.ServerArgs`` of sglang 0.5.23):
+``--model-path --host --port --tp-size --weight-version --random-seed --dtype`` always,
+``--mem-fraction-static`` when set, ``--enable-memory-saver`` for a colocated trainer, ``--admin-api-key``
+when the run uses an admin token (engines off loopback), then ``extra_args`` as given.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from miles.rollout.engine_launcher import SubprocessLauncher
+
+__all__ = ["SGLangLauncher", "sglang_argv", "DTYPES", "RESERVED_FLAGS"]
+
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # SGLang's --dtype choices
+# Flags Miles sets itself; extra_args may not repeat them (SGLang would take the last one silently).
+RESERVED_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size",
+                  "--weight-version", "--random-seed", "--dtype", "--mem-fraction-static", "--enable-memory-saver",
+                  "--admin-api-key", "--api-key")
+
+
+def sglang_argv(model_path: str, *, host: str, port: int, tp_size: int = 1, weight_version: int = 0,
+                random_seed: int = 0, dtype: str = "auto", mem_fraction_static: float | None = None,
+                enable_memory_saver: bool = False, admin_token: str = "", extra_args: list[str] = (),
+                python: str | None = None) -> list[str]:
+    """The command line of one SGLang server."""
+    argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+            "--host", host, "--port", str(port), "--tp-size", str(tp_size), "--weight-version", str(weight_version),
+            "--random-seed", str(random_seed), "--dtype", dtype]
+    if mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(mem_fraction_static)]
+    if enable_memory_saver:
+        argv.append("--enable-memory-saver")
+    if admin_token:  # the admin endpoints (weights, memory, pause, abort) need it; /generate does not
+        argv += ["--admin-api-key", admin_token]
+    return argv + [str(a) for a in extra_args]
+
+
+class SGLangLauncher(SubprocessLauncher):
+    """Rollout engine ``sglang``: one SGLang server per engine actor (``rollout.engine.num_engines >= 1``).
+
+    ``tp_size``: GPUs (tensor-parallel ranks) per server; ``mem_fraction_static``: the fraction of GPU memory
+    for weights and KV cache (SGLang's default when null); ``dtype``; ``random_seed``; ``enable_memory_saver``:
+    needed for ``rollout.engine.release_memory_during_train`` to give memory back (default: follows it);
+    ``extra_args``: more SGLang flags, passed as given; ``python``: the interpreter with SGLang installed (this
+    one by default); ``startup_timeout_s``: how long to wait for ``/health_generate`` (default
+    ``cluster.engine_startup_timeout_s``); ``log_dir``: where the server logs go (a temp folder by default)."""
+
+    protocol = "sglang"
+    ready_path = "/health_generate"  # the server answers once it has generated a token
+    name = "SGLang server"
+
+    def __init__(self, tp_size: int = 1, mem_fraction_static: float | None = None, dtype: str = "auto",
+                 random_seed: int = 0, enable_memory_saver: bool | None = None, extra_args: list[str] | None = None,
+                 python: str | None = None, startup_timeout_s: float | None = None, log_dir: str | None = None,
+                 stop_timeout_s: float = 30.0) -> None:
+        self.check_args({"tp_size": tp_size, "mem_fraction_static": mem_fraction_static, "dtype": dtype,
+                         "random_seed": random_seed, "extra_args": extra_args or [],
+                         "startup_timeout_s": startup_timeout_s})
+        super().__init__(startup_timeout_s=startup_timeout_s, stop_timeout_s=stop_timeout_s, log_dir=log_dir)
+        self._tp_size = tp_size
+        self.mem_fraction_static = mem_fraction_static
+        self.dtype = dtype
+        self.random_seed = random_seed
+        self.enable_memory_saver = enable_memory_saver
+        self.extra_args = [str(a) for a in extra_args or []]
+        self.python = python
+
+    @staticmethod
+    def check_args(args: dict[str, Any]) -> None:
+        """A ValueError naming the argument (Miles' config check calls it before anything starts)."""
+        tp = args.get("tp_size", 1)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp_size: expected a whole number >= 1 (GPUs per server), got {tp!r}")
+        fraction = args.get("mem_fraction_static")
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0 < fraction < 1):
+            raise ValueError(f"mem_fraction_static: expected a fraction in (0, 1) or null (SGLang's choice), "
+                             f"got {fraction!r}")
+        if args.get("dtype", "auto") not in DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {args.get('dtype')!r}")
+        seed = args.get("random_seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"random_seed: expected an integer, got {seed!r}")
+        extra = args.get("extra_args") or []
+        if not isinstance(extra, (list, tuple)):
+            raise ValueError(f"extra_args: expected a list of command-line arguments, got {extra!r}")
+        taken = sorted({str(a).split("=", 1)[0] for a in extra} & set(RESERVED_FLAGS))
+        if taken:
+            raise ValueError(f"extra_args: {', '.join(taken)} are set by Miles (use the plugin's arguments: "
+                             f"tp_size, mem_fraction_static, dtype, random_seed, enable_memory_saver)")
+        timeout = args.get("startup_timeout_s")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"startup_timeout_s: expected a positive number of seconds or null, got {timeout!r}")
+
+    @property
+    def tp_size(self) -> int:
+        return self._tp_size
+
+    @property
+    def gpus(self) -> float:
+        """One GPU per tensor-parallel rank: the engine actor's bundle reserves them."""
+        return float(self._tp_size)
+
+    def command(self, model_path: str, *, host: str, port: int, admin_token: str, threads: int) -> list[str]:
+        return sglang_argv(model_path, host=host, port=port, tp_size=self._tp_size, weight_version=0,
+                           random_seed=self.random_seed, dtype=self.dtype,
+                           mem_fraction_static=self.mem_fraction_static,
+                           enable_memory_saver=bool(self.enable_memory_saver), admin_token=admin_token,
+                           extra_args=self.extra_args, python=self.python)
+
+    def environment(self, *, threads: int, admin_token: str) -> dict[str, str]:
+        # /health answers without generating a token: the router's health checks must pass while a colocated
+        # trainer holds the GPU (memory released). Readiness is /health_generate, polled at start.
+        return {**super().environment(threads=threads, admin_token=admin_token),
+                "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
+                "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}

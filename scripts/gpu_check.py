@@ -1,0 +1,289 @@
+"""The checks of scripts/gpu_check.sh: each runs in a process of its own under a time budget, so that one
+that hangs or crashes the CUDA context still leaves a JSON summary of the others.
+
+    python scripts/gpu_check.py [--dry-run] [--out FILE]      # all checks, one JSON summary on stdout
+    python scripts/gpu_check.py --check NAME [--dry-run]      # one check, its JSON on the last line
+
+``--dry-run`` runs every check on CPU with tiny sizes: the same code paths, so the script is known to
+work before a GPU is at hand (tests/test_gpu_check.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A random-init Qwen3 of about 0.5B parameters (the char tokenizer's vocabulary is tiny: nearly all of them
+# are in the 32 decoder layers), and the tiny shape of the dry run.
+QWEN3_05B = {"hidden_size": 1024, "num_layers": 32, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
+             "intermediate_size": 3072, "max_position_embeddings": 2048}
+TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+        "intermediate_size": 128, "max_position_embeddings": 256}
+
+# check -> (seconds allowed on a GPU, in the dry run): 440 s on a GPU, which leaves a minute for installing
+# within the 8 minutes the check may take.
+CHECKS = {
+    "environment": (20, 60),
+    "quickstart": (60, 180),
+    "engine_decode": (45, 60),
+    "train_throughput": (45, 60),
+    "weight_sync": (45, 90),
+    "megatron_conformance": (75, 120),
+    "sglang_run": (150, 30),
+}
+
+
+def _device(dry: bool) -> str:
+    return "cpu" if dry else "cuda"
+
+
+def _model(tmp: Path, dry: bool) -> tuple[Path, int]:
+    import torch
+
+    from miles.testing import build_tiny_model
+
+    path = build_tiny_model(tmp / "model", **(TINY if dry else QWEN3_05B))
+    from safetensors.torch import load_file
+
+    params = sum(t.numel() for f in path.glob("*.safetensors") for t in load_file(f).values())
+    torch.manual_seed(0)
+    return path, params
+
+
+def check_environment(dry: bool, tmp: Path) -> dict:
+    import torch
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info.update(gpu=torch.cuda.get_device_name(0), bf16=torch.cuda.is_bf16_supported(),
+                    gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+    elif not dry:
+        raise RuntimeError("torch sees no GPU")
+    for package in ("megatron.core", "sglang", "transformers", "ray"):
+        try:
+            module = __import__(package, fromlist=["__version__"])
+            info[package] = getattr(module, "__version__", "installed")
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            info[package] = f"missing ({type(exc).__name__})"
+    return info
+
+
+def check_quickstart(dry: bool, tmp: Path) -> dict:
+    """The quickstart recipe on this device (bf16 autocast on a GPU): does the reward rise."""
+    from miles.runner import prepare, train
+
+    steps = 4 if dry else 60
+    overrides = [f"run.dir={tmp / 'run'}", "run.progress=false", f"run.steps={steps}", "run.eval_size=0",
+                 f"backend.device={_device(dry)}", f"backend.dtype={'float32' if dry else 'bfloat16'}",
+                 f"rollout.engine.device={_device(dry)}", *(["sft.steps=5"] if dry else [])]
+    start = time.perf_counter()
+    train(prepare(str(ROOT / "configs/quickstart.yaml"), overrides))
+    rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward/mean"] for r in rows]
+    k = max(1, len(rewards) // 4)
+    return {"steps": len(rows), "seconds": round(time.perf_counter() - start, 1),
+            "reward_first": round(sum(rewards[:k]) / k, 3), "reward_last": round(sum(rewards[-k:]) / k, 3),
+            "step_ms": round(1000 * sum(r["time/step_s"] for r in rows) / len(rows), 1)}
+
+
+def check_engine_decode(dry: bool, tmp: Path) -> dict:
+    """Decode tokens/s of the embedded engine: a batch of requests generating a fixed number of tokens."""
+    import asyncio
+
+    from miles.engine import LocalEngine
+
+    path, params = _model(tmp, dry)
+    batch, new_tokens = (4, 8) if dry else (64, 256)
+    engine = LocalEngine(device=_device(dry), dtype="float32" if dry else "bfloat16", max_batch_size=batch)
+    engine.load_model(str(path))
+    sampling = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+
+    async def run() -> int:
+        answers = await asyncio.gather(*(engine.generate([1, 2, 3, 4], sampling) for _ in range(batch)))
+        return sum(len(a["output_ids"]) for a in answers)
+
+    asyncio.run(run())  # warm-up
+    start = time.perf_counter()
+    tokens = asyncio.run(run())
+    seconds = time.perf_counter() - start
+    engine.close()
+    return {"params_m": round(params / 1e6, 1), "batch": batch, "tokens": tokens,
+            "decode_tokens_per_s": round(tokens / seconds, 1)}
+
+
+def check_train_throughput(dry: bool, tmp: Path) -> dict:
+    """Training tokens/s of the torch backend (forward, backward, AdamW) on one GRPO-shaped batch."""
+    import torch
+
+    from miles.builtin.advantages import grpo
+    from miles.builtin.losses import ppo_clip
+    from miles.train.torch_backend import TorchBackend
+    from miles.types import Sample, SampleStatus, TrainBatch
+
+    path, params = _model(tmp, dry)
+    rows, length = (4, 16) if dry else (16, 1024)
+    backend = TorchBackend(lr=1e-5, device=_device(dry), dtype="float32" if dry else "bfloat16",
+                           micro_batch_size=rows if dry else 4)
+    backend.setup(str(path), seed=0)
+    gen = torch.Generator().manual_seed(0)
+    response = length - 4
+    samples = [Sample(prompt_ids=[4, 13, 5, 14], group_index=i // 2, status=SampleStatus.COMPLETED,
+                      response_ids=torch.randint(3, 12, (response,), generator=gen).tolist(), loss_mask=[1] * response,
+                      rollout_logprobs=[-2.0] * response, reward=float(i % 2)) for i in range(rows)]
+    batch = TrainBatch.from_samples(samples, pad_token_id=0)
+    batch.advantages = grpo(batch)
+    backend.train_step(batch, ppo_clip)  # warm-up
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start, steps = time.perf_counter(), 1 if dry else 3
+    for _ in range(steps):
+        backend.train_step(batch, ppo_clip)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    backend.shutdown()
+    return {"params_m": round(params / 1e6, 1), "tokens_per_step": rows * length,
+            "train_tokens_per_s": round(rows * length / seconds, 1), "step_s": round(seconds, 3)}
+
+
+def check_weight_sync(dry: bool, tmp: Path) -> dict:
+    """Push the model's weights to a `miles engine serve` process with each transport; seconds per push."""
+    import asyncio
+
+    from miles.rollout.plane import RolloutPlane
+    from miles.rollout.router import Router
+    from miles.testing import serve_engine
+    from miles.train.torch_backend import TorchBackend
+    from miles.train.weight_sync import DistributedTransport, SharedMemoryTransport, TensorTransport
+
+    path, params = _model(tmp, dry)
+    backend = TorchBackend(device=_device(dry))
+    backend.setup(str(path), seed=0)
+    out = {"params_m": round(params / 1e6, 1)}
+    with serve_engine(path, "--device", _device(dry)) as url:
+        plane = RolloutPlane(router=Router([url]))
+        plane.run(plane.router.wait_healthy(timeout_s=60))
+        for name, transport in (("tensor", TensorTransport()), ("shm", SharedMemoryTransport()),
+                                ("distributed_gloo", DistributedTransport())):
+            transport.push(backend, plane, 1)  # the first push sets up (group, file)
+            start = time.perf_counter()
+            pushed = transport.push(backend, plane, 2)
+            out[f"{name}_s"] = round(time.perf_counter() - start, 3)
+            out[f"{name}_mb"] = round(pushed / 1e6, 3)
+            if hasattr(transport, "close"):
+                transport.close()
+        plane.close()
+    out["nccl"] = ("not measured: Miles' distributed transport uses gloo; NCCL broadcast needs a second GPU "
+                   "(NCCL refuses two ranks on one device)")
+    backend.shutdown()
+    return out
+
+
+def check_megatron_conformance(dry: bool, tmp: Path) -> dict:
+    """miles-megatron's conformance tests on this device."""
+    plugin = ROOT / "plugins" / "miles-megatron"
+    if not plugin.exists():
+        return {"skipped": "plugins/miles-megatron is not in this checkout"}
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        return {"skipped": f"megatron-core is not installed ({exc})"}
+    env = {**os.environ, "MILES_TEST_DEVICE": _device(dry)}
+    # The dry run takes one check of the suite (the plugin's own tests run all of them on CPU).
+    select = "Conformance and test_step_metrics_include_the_required_figures" if dry else "Conformance"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(plugin / "tests"),
+                             "-k", select], capture_output=True, text=True, env=env, cwd=ROOT)
+    summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if result.returncode != 0:
+        raise RuntimeError(f"pytest exit {result.returncode}: {summary}\n{result.stdout[-2000:]}{result.stderr[-1000:]}")
+    return {"pytest": summary}
+
+
+def check_sglang_run(dry: bool, tmp: Path) -> dict:
+    """A short quickstart run with real SGLang engines (miles-sglang), when sglang is installed."""
+    try:
+        import sglang  # noqa: F401
+    except ImportError as exc:
+        return {"skipped": f"sglang is not installed ({exc})"}
+    from miles.runner import prepare, train
+
+    overrides = [f"run.dir={tmp / 'run'}", "run.progress=false", "run.steps=3", "run.eval_size=0", "sft.steps=5",
+                 "rollout.engine.name=sglang", "rollout.engine.num_engines=1", f"backend.device={_device(dry)}"]
+    start = time.perf_counter()
+    train(prepare(str(ROOT / "configs/quickstart.yaml"), overrides))
+    rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    return {"steps": len(rows), "seconds": round(time.perf_counter() - start, 1),
+            "weight_versions": [r["weight_version"] for r in rows]}
+
+
+def run_one(name: str, dry: bool) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if dry:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+
+        torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix=f"miles-gpu-check-{name}-") as tmp:
+        start = time.perf_counter()
+        result = globals()[f"check_{name}"](dry, Path(tmp))
+    status = "skipped" if "skipped" in result else "ok"
+    return {"status": status, "seconds": round(time.perf_counter() - start, 1), **result}
+
+
+def run_all(dry: bool, only: list[str]) -> dict:
+    summary = {"dry_run": dry, "checks": {}}
+    for name in only:
+        budget = CHECKS[name][1 if dry else 0]
+        cmd = [sys.executable, __file__, "--check", name, *(["--dry-run"] if dry else [])]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=budget, cwd=ROOT)
+        except subprocess.TimeoutExpired as exc:
+            tail = (exc.stderr or b"")[-1500:]
+            summary["checks"][name] = {"status": "timeout", "budget_s": budget,
+                                       "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+            continue
+        last = (done.stdout.strip().splitlines() or [""])[-1]
+        try:
+            summary["checks"][name] = json.loads(last)
+        except json.JSONDecodeError:
+            summary["checks"][name] = {"status": "failed", "exit_code": done.returncode,
+                                       "stderr_tail": done.stderr[-1500:]}
+    summary["ok"] = all(c["status"] in ("ok", "skipped") for c in summary["checks"].values())
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="CPU and tiny sizes: the same code paths")
+    parser.add_argument("--check", choices=list(CHECKS), help="run one check in this process")
+    parser.add_argument("--only", nargs="+", choices=list(CHECKS), default=list(CHECKS))
+    parser.add_argument("--out", help="also write the summary to this file")
+    args = parser.parse_args()
+    if args.check:
+        try:
+            result = run_one(args.check, args.dry_run)
+        except Exception as exc:  # noqa: BLE001 - the summary says what failed
+            import traceback
+
+            traceback.print_exc()
+            result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        print(json.dumps(result))
+        return 0
+    summary = run_all(args.dry_run, args.only)
+    text = json.dumps(summary, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

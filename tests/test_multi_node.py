@@ -12,18 +12,15 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 from pathlib import Path
 
 import pytest
 
-import miles
-from miles.runner import prepare, train
-
 pytestmark = pytest.mark.slow
 
 # Ray on loopback, without the token of a secured cluster; a dead node is noticed within a few seconds.
+ROOT = Path(__file__).resolve().parents[1]
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_health_check_period_ms": "500",
            "RAY_health_check_failure_threshold": "4", "RAY_health_check_timeout_ms": "1000"}
 
@@ -80,15 +77,12 @@ class LocalNodes:
     def start(self, name: str, cpus: int, resources: dict[str, float]) -> None:
         temp_dir = tempfile.mkdtemp(prefix=f"rn-{name}-", dir="/tmp")  # short: Ray's socket paths live under it
         head = not self.dirs
-        where = ["--head", f"--port={self.port}", "--include-dashboard=false"] if head else [f"--address={self.address}"]
+        where = (["--head", f"--port={self.port}", "--include-dashboard=false"] if head
+                 else [f"--address={self.address}"])
         subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", *where, "--node-ip-address=127.0.0.1",
                         f"--num-cpus={cpus}", f"--resources={json.dumps(resources)}", f"--temp-dir={temp_dir}",
                         "--disable-usage-stats"], env={**os.environ, **RAY_ENV}, check=True, capture_output=True)
         self.dirs[name] = temp_dir
-
-    def node_of(self, name: str, nodes: list[dict]) -> str:
-        """The Ray node id of node ``name`` (its raylet's socket lives under its temp dir)."""
-        return next(n["NodeID"] for n in nodes if n["RayletSocketName"].startswith(self.dirs[name]))
 
     def kill_raylet(self, name: str) -> None:
         raylets = [pid for pid in _processes_mentioning(f"--raylet_socket_name={self.dirs[name]}")]
@@ -103,71 +97,80 @@ class LocalNodes:
 @pytest.fixture
 def nodes():
     cluster = LocalNodes()
-    old = {k: os.environ.get(k) for k in RAY_ENV}
-    os.environ.update(RAY_ENV)  # the driver (this process) joins with the same settings
     try:
         yield cluster
     finally:
         cluster.stop()
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
-class HoldAtStep:
-    """Holds the run after step ``step``'s end until released: the moment to kill a node is chosen, not raced."""
+# The run's driver, in a process of its own: Ray keeps process-wide state (its auth settings among them) that
+# must not leak into the other tests. After step 2 it writes the cluster's nodes to GATE.reached and waits
+# for GATE.release: the moment to kill a node is chosen by the test, not raced.
+DRIVER = """
+import json, logging, sys, time
+from pathlib import Path
+import miles
+from miles.runner import prepare, train
+gate = Path(sys.argv[1])
 
-    def __init__(self, step: int) -> None:
-        self.step, self.reached, self.release = step, threading.Event(), threading.Event()
-
+class Hold:
     @miles.hookimpl
     def miles_train_step_end(self, step):
-        if step == self.step:
-            self.reached.set()
-            assert self.release.wait(300), "the test never released the run"
+        if step == 2:
+            import ray
+            nodes = [(n["NodeID"], n["RayletSocketName"]) for n in ray.nodes()]
+            gate.with_suffix(".reached").write_text(json.dumps(nodes))
+            while not gate.with_suffix(".release").exists():
+                time.sleep(0.05)
+
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+train(prepare("configs/quickstart.yaml", sys.argv[2:], extra_plugins=[("hold", Hold())]))
+"""
 
 
 def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_engines_and_training_on_named_nodes_and_an_engine_of_a_lost_node_is_re_placed(tmp_path, nodes, capfd, caplog):
+def test_engines_and_training_on_named_nodes_and_an_engine_of_a_lost_node_is_re_placed(tmp_path, nodes):
     nodes.start("head", 2, {"train_node": 1})
     nodes.start("b", 1, {"engine_node": 1})
     nodes.start("c", 1, {"engine_node": 1})
-    hold = HoldAtStep(2)
-    prepared = prepare("configs/quickstart.yaml", [
-        f"run.dir={tmp_path}", "run.progress=false", "sft.steps=0", "run.steps=6", "run.eval_size=0",
+    gate, run_dir = tmp_path / "gate", tmp_path / "run"
+    overrides = [
+        f"run.dir={run_dir}", "run.progress=false", "sft.steps=0", "run.steps=6", "run.eval_size=0",
         "rollout.prompts_per_step=4", "rollout.n_samples=4", "rollout.engine.num_engines=1",
         f"cluster.address={nodes.address}", "cluster.engine_resources={engine_node: 1}",
-        "cluster.train_resources={train_node: 1}", "rollout.weight_sync.name=tensor"], extra_plugins=[("hold", hold)])
-    with ThreadPoolExecutor(1) as pool:
-        run = pool.submit(train, prepared)
-        while not hold.reached.wait(1):
-            if run.done():
-                run.result()  # raises what stopped the run
-                pytest.fail("the run ended before step 2")
-        import ray
-
-        by_id = ray.nodes()
-        placed = capfd.readouterr().err
-        head, b, c = (nodes.node_of(name, by_id) for name in ("head", "b", "c"))
-        train_line = next(line for line in placed.splitlines() if line.startswith("backend: the training worker"))
-        engine_line = next(line for line in placed.splitlines() if line.startswith("rollout.engine: 1 engine"))
-        assert f"({head[:8]})" in train_line  # train_resources: the only node with train_node
-        lost = "b" if f"({b[:8]})" in engine_line else "c"
-        assert f"({(b if lost == 'b' else c)[:8]})" in engine_line  # engine_resources: b or c, never the head
-        nodes.kill_raylet(lost)
-        hold.release.set()
-        run.result(timeout=600)
-    rows = _rows(tmp_path)
+        "cluster.train_resources={train_node: 1}", "rollout.weight_sync.name=tensor"]
+    with open(tmp_path / "driver.log", "w+") as log:
+        driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(gate), *overrides], cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT, env={**os.environ, **RAY_ENV})
+        try:
+            while not gate.with_suffix(".reached").exists():
+                assert driver.poll() is None, f"the run ended before step 2:\n{Path(log.name).read_text()[-3000:]}"
+                time.sleep(0.1)
+            reached = json.loads(gate.with_suffix(".reached").read_text())
+            by_socket = {socket_name: node_id for node_id, socket_name in reached}
+            head, b, c = (next(node for path, node in by_socket.items() if path.startswith(nodes.dirs[name]))
+                          for name in ("head", "b", "c"))
+            placed = Path(log.name).read_text()
+            train_line = next(line for line in placed.splitlines() if line.startswith("backend: the training worker"))
+            engine_line = next(line for line in placed.splitlines() if line.startswith("rollout.engine: 1 engine"))
+            assert f"({head[:8]})" in train_line  # train_resources: the only node with train_node
+            assert f"({b[:8]})" in engine_line or f"({c[:8]})" in engine_line  # engine_resources: never the head
+            lost, lost_id = ("b", b) if f"({b[:8]})" in engine_line else ("c", c)
+            nodes.kill_raylet(lost)
+            gate.with_suffix(".release").touch()
+            assert driver.wait(timeout=600) == 0, Path(log.name).read_text()[-3000:]
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+        output = Path(log.name).read_text()
+    rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(6))
     assert [r["weight_version"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert sum(r["rollout/engines_lost_with_node"] for r in rows) == 1
     assert sum(r["rollout/readmissions"] for r in rows) >= 1
     assert rows[-1]["rollout/engines_in_service"] == 1
-    reports = [r.getMessage() for r in caplog.records if "which is gone" in r.getMessage()]
-    lost_id = nodes.node_of(lost, by_id)
+    reports = [line for line in output.splitlines() if "which is gone" in line]
     assert len(reports) == 1 and f"({lost_id[:8]})" in reports[0] and "engine_node" in reports[0]

@@ -98,8 +98,8 @@ def launch_engines(ray: Any, count: int, model_path: str, launcher: Any, *, cpus
                        f"(cluster.cpus_per_engine, cluster.engine_resources); {describe_capacity(ray, bundle)}")
     remote = ray.remote(EngineActor)
     actors = [
-        remote.options(num_cpus=cpus_per_engine, num_gpus=gpus, resources=resources, max_restarts=-1, max_task_retries=-1,
-                       max_concurrency=4,
+        remote.options(num_cpus=cpus_per_engine, num_gpus=gpus, resources=resources, max_restarts=-1,
+                       max_task_retries=-1, max_concurrency=4,
                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i))
         .remote(launcher, model_path, host, token, max(1, int(cpus_per_engine)), startup_timeout_s)
         for i in range(count)
@@ -125,10 +125,27 @@ def launch_engines(ray: Any, count: int, model_path: str, launcher: Any, *, cpus
 
 def _resolver(ray: Any, router: Router, endpoint: Any, bundle: dict[str, float]):
     """The engine's address, from its actor: a restarted actor answers with its new one. An engine whose
-    Ray node died is reported once, naming the node, and waits to be re-placed where there is room."""
+    Ray node died is reported once, naming the node: while it waits to be re-placed where there is room
+    (with what each live node has), or, when Ray re-placed it before it was looked up, with its new node."""
     from ray.exceptions import ActorDiedError
 
     actor = endpoint.meta["actor"]
+
+    async def report_lost(now_on: str | None) -> None:
+        node = endpoint.meta["node"]
+        lost = await asyncio.to_thread(dead_node, ray, node)
+        if lost is None or endpoint.meta.get("reported_node") == node:
+            return
+        endpoint.meta["reported_node"] = node
+        router.stats["engines_lost_with_node"] += 1
+        if now_on is None:
+            capacity = await asyncio.to_thread(describe_capacity, ray, bundle)
+            where = f"Ray re-places the engine when a live node has room for {bundle}: {capacity}"
+        else:
+            new_node = await asyncio.to_thread(describe_nodes, ray, [now_on])
+            where = f"Ray re-placed the engine ({bundle}) on node {new_node}"
+        log.warning("miles: %s was on Ray node %s, which is gone (its raylet stopped); %s", router.name(endpoint),
+                    lost, where)
 
     async def resolve() -> str:
         try:  # while Ray restarts the actor, the call waits for the new one
@@ -136,17 +153,12 @@ def _resolver(ray: Any, router: Router, endpoint: Any, bundle: dict[str, float])
         except ActorDiedError as exc:
             raise EngineGone("its Ray actor died and will not be restarted") from exc
         except asyncio.TimeoutError:
-            lost = await asyncio.to_thread(dead_node, ray, endpoint.meta["node"])
-            if lost is not None and endpoint.meta.get("lost_node") != endpoint.meta["node"]:
-                endpoint.meta["lost_node"] = endpoint.meta["node"]
-                router.stats["engines_lost_with_node"] += 1
-                capacity = await asyncio.to_thread(describe_capacity, ray, bundle)
-                log.warning("miles: %s was on Ray node %s, which is gone (its raylet stopped); Ray re-places the "
-                            "engine when a live node has room for %s: %s", router.name(endpoint), lost, bundle, capacity)
+            await report_lost(None)
             raise
-        if endpoint.meta.get("lost_node") is not None:  # re-placed: note where it runs now
-            endpoint.meta["node"] = await actor.node_id.remote()
-            endpoint.meta["lost_node"] = None
+        node = await actor.node_id.remote()
+        if node != endpoint.meta["node"]:  # restarted elsewhere
+            await report_lost(node)
+            endpoint.meta["node"] = node
         return url
 
     return resolve

@@ -72,18 +72,19 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     collected = c.collector.collect(c.train_data, c.rollout_fn, c.rollout_ctx, c.reward_fn, check)
     metrics = rollout_metrics(c, collected, time.perf_counter() - start, prefill_before, sum(failed))
     c.pm.hook.miles_rollout_end(step=step, groups=collected.groups)
+    push = lambda: push_weights(c, step)  # noqa: E731
     if c.release_memory and any(g.trainable_samples for g in collected.groups):  # else nothing is pushed
         c.plane.post_all("/release_memory_occupation", {"tags": None})  # SGLang: weights, KV cache, CUDA graphs
-
-        def push() -> None:  # weights back first (to receive the push), then the cache
-            c.plane.post_all("/resume_memory_occupation", {"tags": ["weights"]})
-            push_weights(c, step)
-            c.plane.post_all("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
-    else:
-        def push() -> None:
-            push_weights(c, step)
+        push = lambda: _resume_and_push(c, step)  # noqa: E731
     train_groups(c, step, collected.groups, metrics, push)
     return finish_step(c, metrics, start)
+
+
+def _resume_and_push(c: Components, step: int) -> None:
+    """Engines that released their memory for training: weights back first (to receive the push), then the cache."""
+    c.plane.post_all("/resume_memory_occupation", {"tags": ["weights"]})
+    push_weights(c, step)
+    c.plane.post_all("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
 
 
 def rollout_metrics(c: Components, collected: Any, rollout_s: float, prefill_before: tuple[int, int],

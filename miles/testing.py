@@ -8,11 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,38 +49,20 @@ MILES_WITH_CTRL_C = [sys.executable, "-c", "import runpy, signal; signal.signal(
 @contextlib.contextmanager
 def serve_engine(model_dir: str | Path, *args: str, timeout_s: float = 120.0) -> Iterator[str]:
     """``miles engine serve`` for ``model_dir`` in a process of its own on a free 127.0.0.1 port (one torch
-    thread); yields its base URL once ``/health`` answers, and stops the process on exit."""
+    thread), started by the ``miles_server`` launcher; yields its base URL once ``/health`` answers, and stops
+    the process (and removes its log) on exit. ``args``: more ``miles engine serve`` flags."""
+    from miles.rollout.engine_launcher import MilesServerLauncher
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([sys.executable, "-m", "miles", "engine", "serve", "--model", str(model_dir),
-                                 "--port", str(port), *args], env=env, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"miles engine serve exited with {proc.returncode}: {log.read().decode()[-2000:]}")
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                        if resp.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"miles engine serve did not answer /health within {timeout_s} s")
-                time.sleep(0.05)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    launcher = MilesServerLauncher(extra_args=list(args), startup_timeout_s=timeout_s)
+    try:
+        yield launcher.start(str(model_dir), host="127.0.0.1", port=port, admin_token="", threads=1)
+    finally:
+        launcher.stop()
+        if launcher.log_path:
+            Path(launcher.log_path).unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,8 @@ and ``miles.testing``. It covers:
   shares, micro-batches; ``plan[mini][rank][micro] -> rows``), :func:`normalizers`,
   :func:`balanced_partition`, :func:`micro_batch_indices`;
 - worker processes on Ray: :class:`RayWorkers` (placement with ``cluster.train_resources``, calls to all
-  ranks, every worker stopped when one fails);
+  ranks, every worker stopped when one fails) and :class:`RayWorkersBackend`, the base of a backend built on
+  one (``ray_cpus``, ``workers``, ``shutdown``);
 - metric reduction across ranks: :func:`sum_over_ranks` then :func:`combine_metrics`, and
   :func:`assemble_rows` to put per-micro-batch rows back into ``[B, L-1]``;
 - the losses' building blocks: :func:`token_logprobs`, :func:`value_loss`;
@@ -31,14 +32,14 @@ from miles.train.backend import LossFn, TrainBackend
 from miles.train.batching import balanced_partition, micro_batch_indices, normalizers, plan_batch, plan_step
 from miles.train.logprobs import token_logprobs
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
-from miles.train.ray_workers import RayWorkers
+from miles.train.ray_workers import RayWorkers, RayWorkersBackend
 from miles.train.torch_backend import Policy, assemble_rows, combine_metrics, rng_state, set_rng_state, sum_over_ranks
 from miles.types import LossInputs, TrainBatch
 
 __all__ = [
     "TrainBackend", "LossFn", "TrainBatch", "LossInputs",
     "TrainOptions", "takes_train_options", "resolve_device", "autocast_dtype",
-    "Policy", "rng_state", "set_rng_state", "RayWorkers",
+    "Policy", "rng_state", "set_rng_state", "RayWorkers", "RayWorkersBackend",
     "plan_batch", "plan_step", "normalizers", "balanced_partition", "micro_batch_indices",
     "sum_over_ranks", "combine_metrics", "assemble_rows",
     "token_logprobs", "value_loss",

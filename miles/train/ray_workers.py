@@ -14,7 +14,7 @@ from typing import Any
 from miles.cluster import describe_capacity
 from miles.errors import ConfigError, RunError
 
-__all__ = ["RayWorkers"]
+__all__ = ["RayWorkers", "RayWorkersBackend"]
 
 
 class RayWorkers:
@@ -112,3 +112,27 @@ class RayWorkers:
         if self._group is not None:
             remove_placement_group(self._group)
             self._group = None
+
+
+class RayWorkersBackend:
+    """What a backend whose workers are a :class:`RayWorkers` group shares: it sets ``self.group`` in its
+    constructor; the runner sets ``ray_resources`` (``cluster.train_resources``) before ``setup``."""
+
+    uses_ray = True
+    group: RayWorkers
+    ray_resources: dict[str, float] = {}  # replaced, never mutated
+
+    @property
+    def ray_cpus(self) -> float:
+        """Logical CPUs the workers reserve on Ray (checked against ``cluster.num_cpus`` before a run starts)."""
+        return self.group.ray_cpus
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.group.actors
+
+    def _all(self, method: str, *args: Any, per_rank: list[tuple] | None = None) -> list[Any]:
+        return self.group.call(method, *args, per_rank=per_rank)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        self.group.shutdown(graceful)

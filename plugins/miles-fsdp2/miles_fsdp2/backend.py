@@ -12,6 +12,7 @@ from miles.train.api import (
     ConfigError,
     LossFn,
     RayWorkers,
+    RayWorkersBackend,
     TrainBatch,
     TrainOptions,
     assemble_rows,
@@ -31,7 +32,7 @@ def _remap(micros: list[list[int]], index: dict[int, int]) -> list[list[int]]:
 
 
 @takes_train_options
-class FSDP2Backend:
+class FSDP2Backend(RayWorkersBackend):
     """Registered as backend ``fsdp2``: FSDP2 over ``world_size`` Ray worker processes.
 
     Workers reserve ``cpus_per_worker`` CPUs each, and one GPU each when training on a GPU
@@ -39,7 +40,6 @@ class FSDP2Backend:
     :class:`miles.train.options.TrainOptions`.
     """
 
-    uses_ray = True
     name = "fsdp2"
 
     def __init__(self, world_size: int = 2, cpus_per_worker: float = 1.0, startup_timeout_s: float = 120.0,
@@ -51,18 +51,8 @@ class FSDP2Backend:
         self.options = TrainOptions(**options)
         self.world_size, self.cpus_per_worker = world_size, cpus_per_worker
         self.startup_timeout_s, self.collective_timeout_s = startup_timeout_s, collective_timeout_s
-        self.ray_resources: dict[str, float] = {}  # cluster.train_resources, set by the runner
         self.group = RayWorkers("fsdp2", world_size, cpus_per_worker, startup_timeout_s)
         self._model_path: str | None = None
-
-    @property
-    def ray_cpus(self) -> float:
-        """Logical CPUs the workers reserve on Ray (checked against ``cluster.num_cpus`` before a run starts)."""
-        return self.group.ray_cpus
-
-    @property
-    def workers(self) -> list[Any]:
-        return self.group.actors
 
     def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,
               total_steps: int | None = None, critic_model_path: str | None = None) -> None:
@@ -75,9 +65,6 @@ class FSDP2Backend:
         self._all("setup", master, model_path, seed, ref_model_path, total_steps, critic_model_path,
                   self.collective_timeout_s)
         self._model_path = model_path
-
-    def _all(self, method: str, *args: Any, per_rank: list[tuple] | None = None) -> list[Any]:
-        return self.group.call(method, *args, per_rank=per_rank)
 
     def _shares(self, batch: TrainBatch, plan: list[list[list[int]]]) -> list[tuple[TrainBatch, list[list[list[int]]]]]:
         """Each rank's rows as a batch of its own, with the plan in that batch's row numbers."""
@@ -126,6 +113,3 @@ class FSDP2Backend:
         if not (Path(path) / "state.pt").is_file():
             raise ConfigError(f"run.resume: {path} holds no fsdp2 checkpoint (no state.pt)")
         self._all("load_checkpoint", path)
-
-    def shutdown(self, graceful: bool = True) -> None:
-        self.group.shutdown(graceful)

@@ -13,6 +13,7 @@ from miles.train.api import (
     ConfigError,
     LossFn,
     RayWorkers,
+    RayWorkersBackend,
     RunError,
     TrainBatch,
     TrainOptions,
@@ -40,7 +41,7 @@ def _remap(micros: list[list[int]], index: dict[int, int]) -> list[list[int]]:
 
 
 @takes_train_options
-class MegatronBackend:
+class MegatronBackend(RayWorkersBackend):
     """Registered as backend ``megatron``: a megatron-core GPTModel over ``world_size`` Ray workers.
 
     ``tensor_parallel``, ``pipeline_parallel``, ``context_parallel`` and ``expert_parallel`` go to
@@ -50,7 +51,6 @@ class MegatronBackend:
     Other arguments: :class:`miles.train.options.TrainOptions`.
     """
 
-    uses_ray = True
     name = "megatron"
 
     def __init__(self, world_size: int = 1, tensor_parallel: int = 1, pipeline_parallel: int = 1,
@@ -81,22 +81,12 @@ class MegatronBackend:
         self.sequence_packing = sequence_packing
         self.startup_timeout_s, self.collective_timeout_s = startup_timeout_s, collective_timeout_s
         self.data_parallel = world_size // model_parallel
-        self.ray_resources: dict[str, float] = {}  # cluster.train_resources, set by the runner
         self.group = RayWorkers("megatron", world_size, cpus_per_worker, startup_timeout_s)
         self.coords: list[dict[str, int]] = []
         self._model_path: str | None = None
         self._spec: Any = None
 
     # -- placement -----------------------------------------------------------------------------------
-
-    @property
-    def ray_cpus(self) -> float:
-        """Logical CPUs the workers reserve on Ray (checked against ``cluster.num_cpus`` before a run starts)."""
-        return self.group.ray_cpus
-
-    @property
-    def workers(self) -> list[Any]:
-        return self.group.actors
 
     def _check_model(self, model_path: str) -> Any:
         """The model's spec, after checking that the parallel layout fits it."""
@@ -145,9 +135,6 @@ class MegatronBackend:
         self._model_path = model_path
 
     # -- calling the workers -------------------------------------------------------------------------
-
-    def _all(self, method: str, *args: Any, per_rank: list[tuple] | None = None) -> list[Any]:
-        return self.group.call(method, *args, per_rank=per_rank)
 
     def _shares(self, batch: TrainBatch, plan: list[list[list[list[int]]]]) -> list[tuple[TrainBatch, list]]:
         """Each worker's rows (those of its data-parallel rank) as a batch, with the plan in its row numbers."""
@@ -211,6 +198,3 @@ class MegatronBackend:
         if not (Path(path) / "model").is_dir() or not (Path(path) / "rank0.pt").is_file():
             raise ConfigError(f"run.resume: {path} holds no megatron checkpoint (no model/ and rank0.pt)")
         self._all("load_checkpoint", path)
-
-    def shutdown(self, graceful: bool = True) -> None:
-        self.group.shutdown(graceful)

@@ -44,6 +44,13 @@ class TrainOptions:
     critic_warmup_steps: int = 0  # train only the value model for the first steps of a PPO run
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "auto"  # auto: bfloat16 autocast on a GPU that supports it, float32 on CPU
+    # Log-probs and entropy over chunks of this many tokens, without the [tokens x vocab] fp32 logits (0: whole)
+    logprob_chunk_tokens: int = 0
+    logprob_kernel: str = "torch"  # the chunked path's kernel: torch (the reference), auto, or a registered name
+    # Mixture-of-experts models: replay the rollout engine's expert choices (R3; samples need routed_experts),
+    # and add router_aux_loss_coef x the router's load-balancing loss to the policy loss (0: off)
+    routing_replay: bool = False
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -55,6 +62,10 @@ class TrainOptions:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
             problems.append(f"max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
+        if self.logprob_chunk_tokens < 0:
+            problems.append(f"logprob_chunk_tokens must be >= 0 (0: not chunked), got {self.logprob_chunk_tokens}")
+        if self.router_aux_loss_coef < 0:
+            problems.append(f"router_aux_loss_coef must not be negative, got {self.router_aux_loss_coef}")
         if self.max_grad_norm < 0 or self.weight_decay < 0 or self.warmup_steps < 0 or self.critic_warmup_steps < 0:
             problems.append("max_grad_norm, weight_decay, warmup_steps and critic_warmup_steps must not be negative")
         if (self.critic_lr is not None and self.critic_lr <= 0) or (self.value_clip is not None and self.value_clip <= 0):

@@ -177,6 +177,37 @@ def miles_register_backends(register: Register) -> None:
 
 
 @hookspec
+def miles_register_logprob_kernels(register: Register) -> None:
+    """Register log-prob kernels, selected with ``backend.logprob_kernel`` (used when
+    ``backend.logprob_chunk_tokens`` > 0).
+
+    The chunked path computes per-token log-probs and entropy ``chunk_tokens`` rows at a time: it makes
+    one chunk's logits (``[n, V]``, float32, contiguous) from the final hidden states and the output
+    layer, and hands them to the kernel; in the backward pass it makes them again and asks the kernel
+    for their gradient. The registered factory is called without arguments and returns an object with
+
+    - ``unavailable(device) -> str | None``: None when the kernel can run on that ``torch.device``,
+      otherwise why not, in words (shown in the fallback warning). Keep it cheap and import-free where
+      possible: it is asked in every process that computes;
+    - ``forward(logits, targets) -> (logprobs, entropy, lse)``: ``targets [n]`` int64; returns float32
+      ``[n]`` tensors: ``logits[i, targets[i]] - lse[i]``, the entropy ``-sum_v p log p`` of row ``i``'s
+      softmax and its log-sum-exp. It must not change ``logits``;
+    - ``backward(logits, targets, lse, entropy, grad_logprobs, grad_entropy) -> grad_logits``: the same
+      chunk's logits (recomputed, then not used again), the ``lse`` and ``entropy`` its forward
+      returned, and the gradients of the two outputs (``[n]`` float32; ``grad_entropy`` is None when
+      the entropy needs none). Returns ``grad_logits [n, V]`` float32,
+      ``grad_logprobs * (onehot(targets) - p) - grad_entropy * p * (log p + entropy)``; it may write it
+      into the logits' storage and return that.
+
+    Miles resolves the name in each process that computes (training workers too) from the plugins
+    installed there: ``torch`` (builtin, torch ops) is the reference and the fallback; ``auto`` takes
+    the first other registered kernel, in name order, whose ``unavailable`` says None, else ``torch``;
+    a named kernel that cannot run on the device falls back to ``torch`` with one warning naming the
+    reason. ``miles-kernels`` registers ``triton`` (CUDA and ROCm).
+    """
+
+
+@hookspec
 def miles_register_weight_transports(register: Register) -> None:
     """Register weight transports, selected with ``rollout.weight_sync.name``.
 

@@ -76,10 +76,8 @@ def read_chat_template(name_or_path: str) -> str:
     return path.read_text()
 
 
-def _qwen3_config(vocab_size: int, tokenizer: PreTrainedTokenizerBase, build) -> object:
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
+def _shared_fields(vocab_size: int, tokenizer: PreTrainedTokenizerBase, build) -> dict:
+    return dict(
         vocab_size=vocab_size,
         hidden_size=build.hidden_size,
         num_hidden_layers=build.num_layers,
@@ -95,7 +93,23 @@ def _qwen3_config(vocab_size: int, tokenizer: PreTrainedTokenizerBase, build) ->
     )
 
 
-_ARCHS = {"qwen3": _qwen3_config}
+def _qwen3_config(vocab_size: int, tokenizer: PreTrainedTokenizerBase, build) -> object:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_shared_fields(vocab_size, tokenizer, build))
+
+
+def _qwen3_moe_config(vocab_size: int, tokenizer: PreTrainedTokenizerBase, build) -> object:
+    """Qwen3-MoE: every decoder layer's MLP is ``num_experts`` experts of width ``moe_intermediate_size``, of which a
+    router picks ``num_experts_per_tok`` per token."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**_shared_fields(vocab_size, tokenizer, build), moe_intermediate_size=build.moe_intermediate_size,
+                          num_experts=build.num_experts, num_experts_per_tok=build.num_experts_per_tok,
+                          norm_topk_prob=build.norm_topk_prob)
+
+
+_ARCHS = {"qwen3": _qwen3_config, "qwen3_moe": _qwen3_moe_config}
 
 
 def build_model_dir(build, tokenizer_cfg, out_dir: str | Path, seed: int) -> Path:
@@ -104,7 +118,7 @@ def build_model_dir(build, tokenizer_cfg, out_dir: str | Path, seed: int) -> Pat
         raise ConfigError(f"model.build.arch: unknown architecture {build.arch!r}; known: {', '.join(_ARCHS)}")
     tokenizer = build_char_tokenizer(tokenizer_cfg.alphabet, tokenizer_cfg.special_tokens, tokenizer_cfg.added_tokens,
                                      tokenizer_cfg.chat_template)
-    config = _qwen3_config(len(tokenizer), tokenizer, build)
+    config = _ARCHS[build.arch](len(tokenizer), tokenizer, build)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -32,6 +32,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "miles.builtin.tools",
     "miles.builtin.engines",
     "miles.builtin.backends",
+    "miles.builtin.kernels",
     "miles.builtin.weight_transports",
     "miles.builtin.loggers",
     "miles.builtin.data",

@@ -139,6 +139,20 @@ def context_length(model_path: str) -> int:
     return int(config.get("max_position_embeddings") or config.get("n_positions") or 2**31)
 
 
+def _check_routing(config: Any, model_path: str) -> None:
+    """Routing replay needs the engine's expert ids, and those need a mixture-of-experts model."""
+    replay = bool(component_node(config.backend).get("routing_replay", False))
+    if replay and not config.rollout.return_routed_experts:
+        raise ConfigError("backend.routing_replay: replaying the engine's expert choices needs them in the samples; "
+                          "set rollout.return_routed_experts: true")
+    if config.rollout.return_routed_experts:
+        model = json.loads((Path(model_path) / "config.json").read_text())
+        if not any(model.get(key) for key in ("num_experts", "n_routed_experts", "num_local_experts")):
+            raise ConfigError(f"rollout.return_routed_experts: the model ({model.get('model_type', 'unknown type')}) "
+                              f"has no mixture-of-experts layers; set it to false, or use an MoE model "
+                              f"(model.build.arch: qwen3_moe)")
+
+
 def _ray_reservation(config: Any, backend: Any) -> tuple[int, float]:
     """(engine actors, logical CPUs for training) that the run reserves on Ray; (0, 0) when it uses no Ray."""
     _, extra = split_node(config.rollout.engine, "rollout.engine")
@@ -215,6 +229,7 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
         label_key = data_cfg.label_key if config.sft.steps > 0 else None  # SFT needs labels; RL rewards may not
         train_prompts = encode_rows(read_rows(train_path, data_cfg.prompt_key, label_key), tokenizer,
                                     label_key=data_cfg.label_key, **encode)
+        _check_routing(config, model_path)
         context, room = context_length(model_path), int(config.rollout.sampling.max_new_tokens)
         policy = data_cfg.overlong_prompts
         train_prompts, dropped = _fit_context(train_prompts, train_path, room, context, policy)

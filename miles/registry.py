@@ -59,6 +59,7 @@ KINDS: dict[str, Kind] = {
         Kind("tool_parser", "miles_register_tool_parsers", None),
         Kind("backend", "miles_register_backends", None),
         Kind("weight_transport", "miles_register_weight_transports", None),
+        Kind("logprob_kernel", "miles_register_logprob_kernels", None),
         Kind("logger", "miles_register_loggers", None),
     )
 }

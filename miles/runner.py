@@ -155,7 +155,9 @@ class _Run:
 def _sft_phase(run: _Run, model_path: str) -> str:
     """Supervised warm-up on prompt/label pairs; returns the checkpoint RL starts from."""
     config, start = run.p.config, time.perf_counter()
-    backend = run.build_backend(lr=float(config.sft.lr))
+    # SFT data has no engine routing to replay
+    replay = {"routing_replay": False} if component_node(config.backend).get("routing_replay") else {}
+    backend = run.build_backend(lr=float(config.sft.lr), **replay)
     backend.setup(model_path, seed=run.seed, total_steps=config.sft.steps)
     loss = run.p.build("loss", "sft.loss")
     data = PromptSource.from_prompts(run.train_prompts, shuffle=True, seed=run.seed + 1)
@@ -194,6 +196,8 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
     launcher = _engine_launcher(p, engine_args)
     if extra["release_memory_during_train"] and getattr(launcher, "enable_memory_saver", False) is None:
         launcher.enable_memory_saver = True  # SGLang gives memory back only when started with --enable-memory-saver
+    if p.config.rollout.return_routed_experts and getattr(launcher, "enable_return_routed_experts", False) is None:
+        launcher.enable_return_routed_experts = True  # SGLang returns expert ids only when started with its flag
     router, actors, group = launch_engines(
         cluster.ray, num_engines, model_path, launcher, cpus_per_engine=cluster_cfg.cpus_per_engine,
         multi_node=cluster.multi_node, startup_timeout_s=cluster_cfg.engine_startup_timeout_s,
@@ -309,7 +313,7 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         train_data=PromptSource.from_prompts(run.train_prompts, shuffle=config.data.shuffle, seed=run.seed),
         rollout_fn=p.build("rollout_fn", "rollout.fn"),
         rollout_ctx=RolloutContext(engine=plane.client, tokenizer=run.tokenizer, sampling_params=sampling, run=plane.run,
-                                   **agentic),
+                                   return_routed_experts=config.rollout.return_routed_experts, **agentic),
         plane=plane,
         reward_fn=p.build("reward", "reward"),
         collector=GroupCollector(

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["SampleStatus", "Sample", "Group", "TrainBatch", "LossInputs", "Reward"]
@@ -52,6 +53,10 @@ class Sample:
     off_policy_tokens: int = 0  # leading response tokens sampled by an older policy than the newest that sampled it
     turns: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    # MoE models with rollout.return_routed_experts: the engine's expert ids for each input position of
+    # prompt_ids + response_ids ([positions, num_layers * top_k], miles.moe.compact form); observation tokens
+    # have none (routed by the trainer as usual). None when not recorded.
+    routed_experts: Any = field(default=None, repr=False)
 
     @property
     def trainable(self) -> bool:
@@ -86,6 +91,30 @@ class Sample:
                 self.off_policy_tokens = start + offset
             if not self.weight_versions or offset == 0 or version != self.weight_versions[-1]:
                 self.weight_versions.append(version)
+
+    def record_routing(self, meta: dict[str, Any], input_len: int) -> None:
+        """Keep the expert ids of an engine answer (``meta_info["routed_experts"]``, SGLang's form) for the
+        positions this sample has none for yet. The answer fed ``input_len`` tokens (the request's prompt: this
+        sample's tokens before the answer's outputs were appended) and all its outputs but the last. Positions
+        recorded by an earlier answer keep their ids (their log-probs were computed with them); observation
+        tokens get none."""
+        data = meta.get("routed_experts")
+        if data is None:
+            return
+        from miles.moe import NO_EXPERT, compact, decode_routed_experts, expand
+
+        fed = input_len + max(int(meta.get("completion_tokens", 0)), 1) - 1
+        new = decode_routed_experts(data, fed)
+        old = None if self.routed_experts is None else expand(self.routed_experts)
+        if old is not None and old.shape[1] != new.shape[1]:
+            raise ValueError(f"routed_experts: {new.shape[1]} expert ids per token after {old.shape[1]} in the same "
+                             f"sample (answers from different models)")
+        start = 0 if old is None else old.shape[0]
+        merged = new.copy() if old is None else np.concatenate([old, new[start:]])
+        observation = [len(self.prompt_ids) + i for i, m in enumerate(self.loss_mask) if not m]
+        observation = [p for p in observation if start <= p < len(merged)]
+        merged[observation] = NO_EXPERT
+        self.routed_experts = compact(merged)
 
     def fail(self, reason: str) -> None:
         self.status = SampleStatus.FAILED
@@ -137,6 +166,9 @@ class TrainBatch:
     kl_penalty: torch.Tensor | None = None  # [B, L-1] KL-to-reference penalty per token (kl_in: reward)
     values: torch.Tensor | None = None  # [B, L-1] the value model's estimates before the update (PPO)
     returns: torch.Tensor | None = None  # [B, L-1] the value targets, set by estimators that train a critic
+    # [B, L, num_layers * top_k] int16: the engine's expert ids of each input token (-1: none), from the samples'
+    # routed_experts (MoE models with rollout.return_routed_experts); position-aligned like input_ids
+    routed_experts: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -178,6 +210,7 @@ class TrainBatch:
             kl_penalty=None if self.kl_penalty is None else self.kl_penalty[rows, : width - 1],
             values=None if self.values is None else self.values[rows, : width - 1],
             returns=None if self.returns is None else self.returns[rows, : width - 1],
+            routed_experts=None if self.routed_experts is None else self.routed_experts[rows, :width],
         )
 
     @classmethod
@@ -204,7 +237,23 @@ class TrainBatch:
             rewards=torch.tensor(rewards, dtype=torch.float),
             group_index=torch.tensor([s.group_index for s in samples], dtype=torch.long),
             samples=samples,
+            routed_experts=_routed_experts(samples, width),
         )
+
+
+def _routed_experts(samples: list[Sample], width: int) -> torch.Tensor | None:
+    """``[B, width, ids per token]`` int16 from the samples' routed_experts (-1 where a sample has none)."""
+    recorded = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not recorded:
+        return None
+    from miles.moe import expand
+
+    out = torch.full((len(samples), width, recorded[0].shape[1]), -1, dtype=torch.int16)
+    for row, s in enumerate(samples):
+        if s.routed_experts is not None:
+            ids = torch.from_numpy(expand(s.routed_experts)[:width])
+            out[row, : ids.shape[0]] = ids.to(torch.int16)
+    return out
 
 
 @dataclass

@@ -24,7 +24,7 @@ def test_the_dry_run_prints_one_summary_with_every_check(tmp_path):
     checks = summary["checks"]
     assert summary["dry_run"] is True
     assert list(checks) == ["environment", "quickstart", "engine_decode", "train_throughput", "weight_sync",
-                            "megatron_conformance", "sglang_run"]
+                            "megatron_conformance", "logprob_kernels", "sglang_run"]
     failed = {name: c for name, c in checks.items() if c["status"] not in ("ok", "skipped")}
     assert not failed, json.dumps(failed, indent=1)[-4000:]
     assert done.returncode == 0 and summary["ok"] is True
@@ -34,6 +34,9 @@ def test_the_dry_run_prints_one_summary_with_every_check(tmp_path):
     assert checks["train_throughput"]["tokens_per_step"] == 4 * 16
     for transport in ("tensor", "shm", "distributed_gloo"):
         assert checks["weight_sync"][f"{transport}_mb"] > 0
+    kernels = checks["logprob_kernels"]
+    assert "triton" in kernels.get("skipped", "") or (kernels["backend"] == "interpreter"
+                                                      and kernels["max_abs_diff"] <= 1e-5)
     assert "sglang" in checks["sglang_run"].get("skipped", "") or checks["sglang_run"]["steps"] == 3
 
 

@@ -13,9 +13,10 @@ import torch
 from miles.train import api
 
 ROOT = Path(__file__).resolve().parents[1]
-# What a backend plugin may import from Miles (docs/backends.md, "Writing a backend").
+# What a training-plane plugin (a backend, log-prob kernels) may import from Miles (docs/backends.md, "Writing a
+# backend").
 PUBLIC = {"miles", "miles.train.api", "miles.testing"}
-BACKEND_PLUGINS = ["miles-fsdp2", "miles-megatron"]
+BACKEND_PLUGINS = ["miles-fsdp2", "miles-megatron", "miles-kernels"]
 
 
 def _miles_imports(path: Path) -> set[str]:
@@ -43,7 +44,7 @@ def test_the_api_module_exports_what_it_lists():
     missing = [name for name in api.__all__ if not hasattr(api, name)]
     assert not missing
     for name in ("Policy", "plan_batch", "sum_over_ranks", "combine_metrics", "assemble_rows", "value_loss",
-                 "rng_state", "TrainOptions", "TrainBackend"):
+                 "rng_state", "TrainOptions", "TrainBackend", "TorchKernel", "select_kernel", "check_kernel_name"):
         assert name in api.__all__
 
 

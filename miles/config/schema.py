@@ -41,6 +41,11 @@ class ModelBuildConfig:
     head_dim: int = 16
     intermediate_size: int = 256
     max_position_embeddings: int = 128
+    # arch qwen3_moe only: experts per MoE layer, experts per token, and each expert's MLP width
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    norm_topk_prob: bool = True  # renormalise the chosen experts' gate weights to sum to 1
 
 
 @dataclass
@@ -91,6 +96,8 @@ class RolloutConfig:
     n_samples: int = 8
     partial_rollout: bool = False  # abort what is still generating once the batch is full; continue it next step
     mask_off_policy: bool = False  # leave the tokens an older policy sampled (partial rollouts) out of the loss
+    # MoE models: the engine returns each token's expert ids (SGLang's return_routed_experts), kept in the samples
+    return_routed_experts: bool = False
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 

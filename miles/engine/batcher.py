@@ -12,6 +12,7 @@ admission are computed once. Prompts are held after prefill, and prompt + output
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from transformers import DynamicCache
 
 from miles.engine.prefix_cache import PrefixCache
 from miles.engine.sampling import SamplingParams, sample_next
+from miles.moe import encode_routed_experts, moe_layout, routing
 
 __all__ = ["ContinuousBatcher", "Request"]
 
@@ -41,12 +43,14 @@ class Request:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_entropy: bool = False
+    return_routed_experts: bool = False  # MoE models: the expert ids of every token fed (prompt, outputs but the last)
     budget: int = 0
     stop_ids: tuple[int, ...] = ()
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[list[tuple[float, int]]] = field(default_factory=list)
     output_entropy: list[float] = field(default_factory=list)
+    routed: list[torch.Tensor] = field(default_factory=list)  # [tokens, num_layers * top_k] per forward pass
     output_versions: list[int] = field(default_factory=list)  # the weight version that sampled each output token
     input_logprobs: list[float | None] = field(default_factory=list)  # from logprob_start_len; None: first token
     input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
@@ -65,6 +69,7 @@ class ContinuousBatcher:
         self.generator, self.max_batch_size, self.version = generator, max_batch_size, version
         self.step_lock = threading.Lock()  # held for each step and by weight updates
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self.moe = moe_layout(model)  # None for a dense model
         self._epoch = 0  # bumped by each clear of the prefix cache
         # prefill_tokens_requested: prompt tokens admitted; _computed: those run through the model (the rest came
         # from the prefix cache); prefix_cache_tokens: held now
@@ -200,9 +205,11 @@ class ContinuousBatcher:
         suffix; positions count from h. Afterwards each row's attended columns are packed to the right, so the
         running batch looks as if the prompts had been prefilled whole.
         """
-        wanted = [r.return_logprob and r.logprob_start_len >= 0 for r in requests]  # prompt log-probs
+        prompt_logprobs = [r.return_logprob and r.logprob_start_len >= 0 for r in requests]
+        # computed whole: prompt log-probs, or expert ids (the prefix cache holds K/V, not routing)
+        wanted = [p or r.return_routed_experts for r, p in zip(requests, prompt_logprobs)]
         unique: list[Request] = []  # the rows computed; request i is computed as unique[of[i]]
-        full: list[bool] = []  # computed without the cache (a request wants prompt log-probs)
+        full: list[bool] = []  # computed without the cache
         of: list[int] = []
         index: dict[Any, int] = {}
         for i, (r, w) in enumerate(zip(requests, wanted)):
@@ -223,13 +230,19 @@ class ContinuousBatcher:
                              for (h, _), s in zip(hits, suffixes)], device=self.device)
         cache = DynamicCache(_past_block(hits, past)) if past else DynamicCache()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                            logits_to_keep=0 if any(full) else 1).logits
+        with self._routing(requests) as record:
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                                use_cache=True, logits_to_keep=0 if any(prompt_logprobs) else 1).logits
+        if record is not None:
+            routed = record.routed(len(unique))
+            for r, u in zip(requests, of):
+                if r.return_routed_experts:  # computed whole: the prompt is the suffix
+                    r.routed.append(routed[u, width - len(r.prompt):].cpu())
         self.stats["prefill_batches"] += 1
         self.stats["prefill_tokens_requested"] += sum(len(r.prompt) for r in requests)
         self.stats["prefill_tokens_computed"] += sum(len(s) for s in suffixes)
-        for r, u, w in zip(requests, of, wanted):
-            if w:  # computed whole: the prompt is the suffix
+        for r, u, p in zip(requests, of, prompt_logprobs):
+            if p:  # computed whole: the prompt is the suffix
                 self._prompt_logprobs(r, logits[u, width - len(r.prompt) : width - 1].float())
         for r in requests:
             r.epoch = self._epoch
@@ -270,12 +283,25 @@ class ContinuousBatcher:
         batch = len(self._rows)
         column = torch.ones((batch, 1), dtype=torch.long, device=self.device)
         self._mask = torch.cat([self._mask, column], dim=1)
-        logits = self.model(input_ids=self._pending.unsqueeze(1), attention_mask=self._mask,
-                            position_ids=self._next_pos.unsqueeze(1), cache=self._cache, use_cache=True).logits[:, -1, :].float()
+        with self._routing(self._rows) as record:
+            logits = self.model(input_ids=self._pending.unsqueeze(1), attention_mask=self._mask,
+                                position_ids=self._next_pos.unsqueeze(1), cache=self._cache,
+                                use_cache=True).logits[:, -1, :].float()
+        if record is not None:
+            routed = record.routed(batch)[:, 0].cpu()
+            for r, ids in zip(self._rows, routed):
+                if r.return_routed_experts:
+                    r.routed.append(ids.unsqueeze(0))
         self.stats["decode_steps"] += 1
         self._next_pos = self._next_pos + 1
         self._pending = self._sample(logits, self._rows)
         self._retire(0)
+
+    def _routing(self, rows: list[Request]) -> Any:
+        """Record the routers' choices in this forward pass when a row asks for them."""
+        if self.moe is None or not any(r.return_routed_experts for r in rows):
+            return contextlib.nullcontext()
+        return routing(self.model, layout=self.moe)
 
     def _prompt_logprobs(self, r: Request, logits: torch.Tensor) -> None:
         """Log-probs of the prompt's tokens from ``logprob_start_len`` (``logits``: [L - 1, V], the predictions of
@@ -375,6 +401,9 @@ class ContinuousBatcher:
                                                   for top in r.input_top]
         if r.return_entropy:
             meta["output_token_entropy"] = list(r.output_entropy)
+        if r.return_routed_experts:  # SGLang's form: base64 of int32 [tokens fed, num_layers, top_k]
+            meta["routed_experts"] = encode_routed_experts(torch.cat(r.routed) if r.routed else
+                                                           torch.zeros((0, self.moe.width), dtype=torch.int32))
         if text is None:
             text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
         return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}

@@ -201,7 +201,7 @@ class LocalEngine:
     async def generate(
         self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, return_logprob: bool = True,
         rid: str | None = None, *, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-        return_entropy: bool = False, return_text_in_logprobs: bool = False,
+        return_entropy: bool = False, return_text_in_logprobs: bool = False, return_routed_experts: bool = False,
     ) -> dict[str, Any]:
         """One request, answered like SGLang's ``POST /generate`` (a ValueError names a bad field).
 
@@ -209,6 +209,9 @@ class LocalEngine:
         that position; the first token has none), ``top_logprobs_num`` adds ``output_top_logprobs`` (and
         ``input_top_logprobs``), ``return_text_in_logprobs`` fills each triple's text. ``return_entropy`` adds
         ``output_token_entropy`` (nats, of each next-token distribution before temperature).
+        ``return_routed_experts`` (MoE models) adds ``routed_experts``: SGLang's base64 of int32 expert ids
+        ``[tokens, num_layers, top_k]`` of every token fed through the model (the prompt, then the outputs but the
+        last; -1 for dense layers); such a request's prompt is computed whole, not from the prefix cache.
         """
         if (why := self.refusal()) is not None:
             raise EngineUnavailable(why)
@@ -225,6 +228,9 @@ class LocalEngine:
             ("return_entropy", return_entropy, isinstance(return_entropy, bool), "true or false"),
             ("return_text_in_logprobs", return_text_in_logprobs, isinstance(return_text_in_logprobs, bool),
              "true or false"),
+            ("return_routed_experts", return_routed_experts, isinstance(return_routed_experts, bool)
+             and not (return_routed_experts and self.batcher.moe is None),
+             "true or false (true only for a mixture-of-experts model; this one has no expert router)"),
         ]
         for name, value, ok, expected in checks:
             if not ok:
@@ -233,7 +239,7 @@ class LocalEngine:
         future = loop.create_future()
         request = Request(list(input_ids), params, lambda answer: self._deliver(loop, future, answer), return_logprob,
                           logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                          return_entropy=return_entropy)
+                          return_entropy=return_entropy, return_routed_experts=return_routed_experts)
         if rid is not None:
             request.rid = rid
         if not self._turn:

@@ -41,7 +41,7 @@ __all__ = ["build_app", "serve", "MAX_REQUEST_BYTES", "MAX_WEIGHT_REQUEST_BYTES"
 # SGLang's GenerateReqInput fields (sglang 0.5) and what the embedded engine does with each.
 GENERATE_HONOURED = frozenset({
     "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "return_text_in_logprobs", "return_entropy",
+    "return_text_in_logprobs", "return_entropy", "return_routed_experts",
 })
 GENERATE_IGNORED = frozenset({  # bookkeeping and routing hints: accepted whatever their value
     "model", "log_metrics", "no_logs", "priority", "routing_key", "conversation_id", "custom_labels",
@@ -49,7 +49,7 @@ GENERATE_IGNORED = frozenset({  # bookkeeping and routing hints: accepted whatev
     "data_parallel_rank", "disagg_prefill_dp_rank", "kv_hints",
 })
 GENERATE_OFF_ONLY = frozenset({  # features the engine lacks: accepted when null, false, 0 or empty only
-    "stream", "background", "return_bytes", "return_hidden_states", "return_routed_experts",
+    "stream", "background", "return_bytes", "return_hidden_states",
     "routed_experts_start_len", "return_indexer_topk", "return_prompt_token_ids", "token_ids_logprob",
     "return_sampling_mask", "sampling_logprobs_mode", "return_flat_raw_top_logprobs",
     "return_flat_raw_output_top_logprobs", "lora_path", "lora_id", "custom_logit_processor", "session_id",
@@ -107,11 +107,11 @@ def _generate_jobs(body: dict[str, Any], engine: LocalEngine) -> tuple[list[dict
         return [default if value is None else value] * len(prompts)
 
     per_prompt = zip(prompts, each("sampling_params", {}), each("rid", None), each("return_logprob", False),
-                     each("logprob_start_len", -1), each("top_logprobs_num", 0))
+                     each("logprob_start_len", -1), each("top_logprobs_num", 0), each("return_routed_experts", False))
     shared = {"return_entropy": body.get("return_entropy") or False,
               "return_text_in_logprobs": body.get("return_text_in_logprobs") or False}
     jobs = []
-    for prompt, params, rid, return_logprob, start, top in per_prompt:
+    for prompt, params, rid, return_logprob, start, top, routed in per_prompt:
         if not isinstance(params, dict):
             raise ValueError("sampling_params: expected a JSON object (in a batch, or a list of one per prompt)")
         if rid is not None and not isinstance(rid, str):
@@ -121,7 +121,7 @@ def _generate_jobs(body: dict[str, Any], engine: LocalEngine) -> tuple[list[dict
             raise ValueError(f"sampling_params.n: expected an integer >= 1, got {n!r}")
         job = {"input_ids": prompt, "sampling_params": {k: v for k, v in params.items() if k != "n"},
                "rid": None if n > 1 else rid, "return_logprob": return_logprob, "logprob_start_len": start,
-               "top_logprobs_num": top, **shared}
+               "top_logprobs_num": top, "return_routed_experts": routed, **shared}
         jobs += [job] * n  # n samples per prompt, prompt-major, as SGLang orders them
     return jobs, batched or len(jobs) > len(prompts)
 

@@ -24,3 +24,10 @@ class RolloutContext:
     seed: int = 0
     # Set by the collector once a partial-rollout batch is full: trajectories stop before their next turn.
     abort_requested: bool = False
+    return_routed_experts: bool = False  # rollout.return_routed_experts: ask the engine for each token's expert ids
+
+    @property
+    def generate_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``engine.generate`` beyond the prompt and sampling parameters that the config
+        asks for (``return_routed_experts``); pass the answer to ``Sample.record_routing`` to keep them."""
+        return {"return_routed_experts": True} if self.return_routed_experts else {}

@@ -133,11 +133,13 @@ class MultiTurn:
                 return False
             stop_ids = sorted({*ctx.sampling_params.get("stop_token_ids", ()), conversation.eot_id})
             params = {**ctx.sampling_params, "max_new_tokens": budget, "stop_token_ids": stop_ids}
-            answer = await ctx.engine.generate(sample.prompt_ids + sample.response_ids, params, return_logprob=True)
+            answer = await ctx.engine.generate(sample.prompt_ids + sample.response_ids, params, return_logprob=True,
+                                               **ctx.generate_options)
             meta = answer["meta_info"]
             start = len(sample.response_ids)
             sample.append(list(answer["output_ids"]), [float(t[0]) for t in meta["output_token_logprobs"]],
                           from_policy=True)
+            sample.record_routing(meta, len(sample.prompt_ids) + start)
             sample.record_versions(start, meta)
             finish = meta["finish_reason"]["type"]
             if finish == "abort":

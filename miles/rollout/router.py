@@ -224,9 +224,12 @@ class Router:
         return engine
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None,
-                       return_logprob: bool = True, rid: str | None = None) -> dict[str, Any]:
+                       return_logprob: bool = True, rid: str | None = None,
+                       return_routed_experts: bool = False) -> dict[str, Any]:
         """Route one request; on a connection error or a dead engine, retry on another."""
         body = {"input_ids": input_ids, "sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         if rid is not None:  # a named request can be aborted by name: it travels alone
             body["rid"] = rid
         if not self.batch_requests or rid is not None:
@@ -277,6 +280,8 @@ class Router:
             body: dict[str, Any] = bodies[0]
         else:
             body = {key: [b[key] for b in bodies] for key in ("input_ids", "sampling_params", "return_logprob")}
+            if any("return_routed_experts" in b for b in bodies):
+                body["return_routed_experts"] = [b.get("return_routed_experts", False) for b in bodies]
         deadline = time.monotonic() + self.request_timeout_s
         last_error: Exception | None = None
         for attempt in range(self.max_retries + 1):

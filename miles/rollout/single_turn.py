@@ -15,6 +15,7 @@ def apply_generate_answer(sample: Sample, answer: dict) -> None:
     logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
     start = len(sample.response_ids)
     sample.append(ids, logprobs, from_policy=True)
+    sample.record_routing(meta, len(sample.prompt_ids) + start)
     sample.response_text += answer.get("text", "")
     sample.record_versions(start, meta)
     sample.turns += 1
@@ -38,6 +39,7 @@ async def single_turn(sample: Sample, ctx: RolloutContext) -> Sample:
             sample.status, sample.reason = SampleStatus.TRUNCATED, "max_new_tokens reached"
             return sample
         params = {**params, "max_new_tokens": left}
-    answer = await ctx.engine.generate(sample.prompt_ids + sample.response_ids, params, return_logprob=True)
+    answer = await ctx.engine.generate(sample.prompt_ids + sample.response_ids, params, return_logprob=True,
+                                       **ctx.generate_options)
     apply_generate_answer(sample, answer)
     return sample

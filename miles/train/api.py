@@ -17,7 +17,11 @@ and ``miles.testing``. It covers:
   one (``ray_cpus``, ``workers``, ``shutdown``);
 - metric reduction across ranks: :func:`sum_over_ranks` then :func:`combine_metrics`, and
   :func:`assemble_rows` to put per-micro-batch rows back into ``[B, L-1]``;
-- the losses' building blocks: :func:`token_logprobs`, :func:`value_loss`;
+- the losses' building blocks: :func:`token_logprobs` (whole, or memory-bounded with ``chunk_tokens``),
+  :func:`value_loss`;
+- log-prob kernels (``miles_register_logprob_kernels``): the :class:`LogprobKernel` contract, the reference
+  :class:`TorchKernel`, :func:`select_kernel` (a name to the kernel for a device, in the calling process) and
+  :func:`check_kernel_name` (a backend constructor refuses an unknown ``backend.logprob_kernel``);
 - HF models: :func:`load_model`, :func:`load_critic`, :func:`save_pretrained`, :func:`save_state_dict`;
 - errors: :class:`ConfigError` (bad backend arguments, exit code 2), :class:`RunError`.
 
@@ -30,6 +34,7 @@ from miles.errors import ConfigError, RunError
 from miles.models import load_critic, load_model, save_pretrained, save_state_dict
 from miles.train.backend import LossFn, TrainBackend
 from miles.train.batching import balanced_partition, micro_batch_indices, normalizers, plan_batch, plan_step
+from miles.train.kernels import LogprobKernel, TorchKernel, check_kernel_name, select_kernel
 from miles.train.logprobs import token_logprobs
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
 from miles.train.ray_workers import RayWorkers, RayWorkersBackend
@@ -43,6 +48,7 @@ __all__ = [
     "plan_batch", "plan_step", "normalizers", "balanced_partition", "micro_batch_indices",
     "sum_over_ranks", "combine_metrics", "assemble_rows",
     "token_logprobs", "value_loss",
+    "LogprobKernel", "TorchKernel", "select_kernel", "check_kernel_name",
     "load_model", "load_critic", "save_pretrained", "save_state_dict",
     "ConfigError", "RunError",
 ]

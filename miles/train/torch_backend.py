@@ -15,8 +15,10 @@ from miles.builtin.losses import value_loss
 from miles.models import load_critic, load_model, save_pretrained
 from miles.train.backend import LossFn
 from miles.train.batching import normalizers, plan_batch
+from miles.train.kernels import check_kernel_name, select_kernel
 from miles.train.logprobs import token_logprobs
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
+from miles.moe import moe_layout, routing
 from miles.train.regularizers import kl_estimate
 from miles.types import LossInputs, TrainBatch
 
@@ -52,12 +54,19 @@ class Policy:
                  ref_model: torch.nn.Module | None = None, total_steps: int | None = None,
                  optimizer: torch.optim.Optimizer | None = None, critic: torch.nn.Module | None = None) -> None:
         self.model, self.ref_model, self.options, self.device = model, ref_model, options, device
+        self.moe = moe_layout(model)  # None for a dense model
+        self._ref_moe = None
+        if self.moe is None and (options.routing_replay or options.router_aux_loss_coef):
+            raise ValueError("routing_replay and router_aux_loss_coef need a mixture-of-experts model; this model "
+                             "has no expert router")
         self.critic = critic
         self.critic_optimizer = None if critic is None else torch.optim.AdamW(
             critic.parameters(), lr=options.critic_lr or options.lr, betas=(options.beta1, options.beta2),
             weight_decay=options.weight_decay)
         self.steps_done = 0
         self.autocast = autocast_dtype(options, device)
+        # The chunked log-prob path's kernel, chosen in this process (a worker's plugins, its device).
+        self.logprob_kernel = select_kernel(options.logprob_kernel, device) if options.logprob_chunk_tokens else None
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=options.lr, betas=(options.beta1, options.beta2), weight_decay=options.weight_decay)
         total = None if total_steps is None else total_steps * options.mini_batches
@@ -68,7 +77,52 @@ class Policy:
 
     def _forward(self, model: torch.nn.Module, micro: TrainBatch, **kwargs: Any):
         with self._autocast():
-            return token_logprobs(model, micro.input_ids.to(self.device), **kwargs)
+            return token_logprobs(model, micro.input_ids.to(self.device), chunk_tokens=self.options.logprob_chunk_tokens,
+                                  kernel=self.logprob_kernel, **kwargs)
+
+    def _routing(self, micro: TrainBatch, keep_logits: bool = False) -> Any:
+        """A forward pass of an MoE model records its routing and, with ``routing_replay``, follows the engine's."""
+        if self.moe is None:
+            return contextlib.nullcontext()
+        return routing(self.model, replay=self._replay(micro), keep_logits=keep_logits, layout=self.moe)
+
+    def _replay(self, micro: TrainBatch) -> torch.Tensor | None:
+        if not self.options.routing_replay:
+            return None
+        if micro.routed_experts is None:
+            raise ValueError("routing_replay: the samples hold no routed_experts; set rollout.return_routed_experts: "
+                             "true (and use a rollout function that records them, as single_turn and multi_turn do)")
+        return micro.routed_experts.to(self.device)
+
+    def _routed_forward(self, model: torch.nn.Module, micro: TrainBatch, **kwargs: Any):
+        """``_forward`` with routing replay, for the policy and the reference model (the same architecture)."""
+        if self.moe is None:
+            return self._forward(model, micro, **kwargs)
+        if model is not self.model and self._ref_moe is None:
+            self._ref_moe = moe_layout(model)
+        with routing(model, replay=self._replay(micro), record=False,
+                     layout=self.moe if model is self.model else self._ref_moe):
+            return self._forward(model, micro, **kwargs)
+
+    def _moe_metrics(self, record: Any, micro: TrainBatch, weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """The load-balancing loss (weighted by the micro-batch's share of the loss tokens) and the routing
+        figures of one micro-batch: ``moe/aux_loss``, ``moe/expert_load_max_frac`` and, when the samples carry the
+        engine's expert ids, ``train/routing_mismatch_frac`` (the share of (token, MoE layer) pairs whose experts
+        differ from the engine's; 0 with routing replay)."""
+        tokens = micro.attention_mask.to(self.device).bool()
+        aux, top = record.load_stats(tokens)
+        metrics = {"moe/aux_loss": float(aux.detach()) * weight, "moe/expert_load_max_frac": float(top) * weight}
+        if micro.routed_experts is not None:
+            layout = record.layout
+            mine = record.routed(len(micro)).reshape(*tokens.shape, layout.num_layers, layout.top_k)
+            engine = micro.routed_experts.to(self.device).long().reshape(mine.shape)
+            layers = torch.tensor(sorted(record.ids), device=self.device)
+            mine, engine = mine[:, :, layers].sort(dim=-1).values, engine[:, :, layers].sort(dim=-1).values
+            known = tokens.unsqueeze(-1) & (engine >= 0).all(dim=-1)  # [b, L, moe layers]
+            differ = (mine != engine).any(dim=-1) & known
+            if bool(known.any()):
+                metrics["train/routing_mismatch_frac"] = float(differ.sum()) / float(known.sum()) * weight
+        return aux * weight, metrics
 
     def _micro(self, batch: TrainBatch, rows: list[int]) -> TrainBatch:
         if rows:
@@ -123,7 +177,7 @@ class Policy:
         model = self.ref_model if reference else self.model
         if model is None:
             raise ValueError("no reference model: set up the backend with ref_model_path")
-        return self._per_micro(batch, micros, lambda micro: self._forward(model, micro))
+        return self._per_micro(batch, micros, lambda micro: self._routed_forward(model, micro))
 
     def train(self, batch: TrainBatch, plan: list[list[list[int]]], norms: list[tuple[float, float]], loss_fn: LossFn,
               loss_scale: float = 1.0) -> tuple[list[dict[str, float]], list[float], float]:
@@ -154,17 +208,24 @@ class Policy:
             totals: dict[str, float] = defaultdict(float, critic_totals)
             for m, rows in enumerate(micros):
                 micro = self._micro(batch, rows)
-                logprobs, entropy = self._forward(self.model, micro, with_entropy=True, entropy_grad=needs_entropy_grad)
+                with self._routing(micro, keep_logits=True) as record:
+                    logprobs, entropy = self._forward(self.model, micro, with_entropy=True,
+                                                      entropy_grad=needs_entropy_grad)
                 if not rows:
                     (logprobs.sum() * 0.0).backward()
                     continue
                 logprobs, entropy = logprobs.float(), entropy.float()
                 old = olds[k][m].to(self.device) if self.options.old_logprobs == "recompute" else micro.rollout_logprobs.to(self.device)
-                ref = self._forward(self.ref_model, micro).float().detach() if self.ref_model is not None else None
+                ref = self._routed_forward(self.ref_model, micro).float().detach() if self.ref_model is not None else None
                 mask = micro.loss_mask.to(self.device)
                 advantages = None if micro.advantages is None else micro.advantages.to(self.device)
                 inputs = LossInputs(logprobs, old, advantages, mask, normalizer, micro, ref, entropy, sequences)
                 loss, metrics = loss_fn(inputs)
+                if record is not None:  # an MoE model: its routing figures, and the router's aux loss if asked for
+                    aux, moe_metrics = self._moe_metrics(record, micro, float(mask.sum()) / normalizer)
+                    metrics = {**metrics, **moe_metrics}
+                    if self.options.router_aux_loss_coef:
+                        loss = loss + self.options.router_aux_loss_coef * aux
                 (loss * loss_scale).backward()
                 with torch.no_grad():
                     totals["train/loss"] += float(loss.detach())
@@ -249,6 +310,7 @@ class TorchBackend:
 
     def __init__(self, **options: Any) -> None:
         self.options = TrainOptions(**options)
+        check_kernel_name(self.options.logprob_kernel)
         self.policy: Policy | None = None
 
     def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,

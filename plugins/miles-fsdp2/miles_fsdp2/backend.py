@@ -16,6 +16,7 @@ from miles.train.api import (
     TrainBatch,
     TrainOptions,
     assemble_rows,
+    check_kernel_name,
     combine_metrics,
     normalizers,
     plan_batch,
@@ -49,6 +50,7 @@ class FSDP2Backend(RayWorkersBackend):
         if cpus_per_worker <= 0:
             raise ValueError(f"cpus_per_worker must be positive, got {cpus_per_worker}")
         self.options = TrainOptions(**options)
+        check_kernel_name(self.options.logprob_kernel)  # each worker then picks the kernel for its device
         self.world_size, self.cpus_per_worker = world_size, cpus_per_worker
         self.startup_timeout_s, self.collective_timeout_s = startup_timeout_s, collective_timeout_s
         self.group = RayWorkers("fsdp2", world_size, cpus_per_worker, startup_timeout_s)

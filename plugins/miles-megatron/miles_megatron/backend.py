@@ -76,6 +76,16 @@ class MegatronBackend(RayWorkersBackend):
                               "yet (on CPU it cannot run: megatron/core/optimizer/optimizer.py and clip_grads.py "
                               "allocate on 'cuda'); set it to false")
         self.options = TrainOptions(**options)
+        if self.options.logprob_chunk_tokens != 0 or self.options.logprob_kernel != "torch":
+            key = "logprob_chunk_tokens" if self.options.logprob_chunk_tokens != 0 else "logprob_kernel"
+            raise ConfigError(f"backend.{key}={getattr(self.options, key)!r}: the megatron backend computes log-probs its "
+                              f"own way (from its tensor-parallel output layer); the chunked path and its kernels are "
+                              f"for torch and fsdp2: leave logprob_chunk_tokens at 0 and logprob_kernel at torch")
+        if self.options.routing_replay or self.options.router_aux_loss_coef:
+            key = "routing_replay" if self.options.routing_replay else "router_aux_loss_coef"
+            raise ConfigError(f"backend.{key}={getattr(self.options, key)!r}: routing replay and the router's aux loss "
+                              f"are not wired into the megatron backend yet (megatron-core routes inside its own MoE "
+                              f"layer); use backend torch or fsdp2 for them (docs/moe.md)")
         self.world_size, self.cpus_per_worker = world_size, cpus_per_worker
         self.sizes = Parallel(tp=tensor_parallel, pp=pipeline_parallel, cp=context_parallel, ep=expert_parallel)
         self.sequence_packing = sequence_packing

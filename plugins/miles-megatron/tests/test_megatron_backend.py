@@ -47,6 +47,8 @@ def test_first_steps_equal_the_torch_backend(tiny_model_dir, options):
     ({"world_size": 2, "expert_parallel": 4}, r"backend.expert_parallel=4: world_size=2 must be divisible"),
     ({"tensor_parallel": 0}, r"backend.tensor_parallel must be an integer >= 1, got 0"),
     ({"distributed_optimizer": True}, r"backend.distributed_optimizer: .*optimizer.py"),
+    ({"routing_replay": True}, r"backend.routing_replay=True: routing replay and the router's aux loss are not wired"),
+    ({"router_aux_loss_coef": 0.01}, r"backend.router_aux_loss_coef=0.01: "),
 ])
 def test_impossible_layouts_are_refused_when_built(arguments, message):
     with pytest.raises(ConfigError, match=message):

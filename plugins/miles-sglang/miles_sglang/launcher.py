@@ -20,13 +20,13 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # SGLang's
 # Flags Miles sets itself; extra_args may not repeat them (SGLang would take the last one silently).
 RESERVED_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size",
                   "--weight-version", "--random-seed", "--dtype", "--mem-fraction-static", "--enable-memory-saver",
-                  "--admin-api-key", "--api-key")
+                  "--enable-return-routed-experts", "--admin-api-key", "--api-key")
 
 
 def sglang_argv(model_path: str, *, host: str, port: int, tp_size: int = 1, weight_version: int = 0,
                 random_seed: int = 0, dtype: str = "auto", mem_fraction_static: float | None = None,
-                enable_memory_saver: bool = False, admin_token: str = "", extra_args: list[str] = (),
-                python: str | None = None) -> list[str]:
+                enable_memory_saver: bool = False, enable_return_routed_experts: bool = False, admin_token: str = "",
+                extra_args: list[str] = (), python: str | None = None) -> list[str]:
     """The command line of one SGLang server."""
     argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
             "--host", host, "--port", str(port), "--tp-size", str(tp_size), "--weight-version", str(weight_version),
@@ -35,6 +35,8 @@ def sglang_argv(model_path: str, *, host: str, port: int, tp_size: int = 1, weig
         argv += ["--mem-fraction-static", str(mem_fraction_static)]
     if enable_memory_saver:
         argv.append("--enable-memory-saver")
+    if enable_return_routed_experts:  # requests may then ask for return_routed_experts (R3)
+        argv.append("--enable-return-routed-experts")
     if admin_token:  # the admin endpoints (weights, memory, pause, abort) need it; /generate does not
         argv += ["--admin-api-key", admin_token]
     return argv + [str(a) for a in extra_args]
@@ -46,6 +48,7 @@ class SGLangLauncher(SubprocessLauncher):
     ``tp_size``: GPUs (tensor-parallel ranks) per server; ``mem_fraction_static``: the fraction of GPU memory
     for weights and KV cache (SGLang's default when null); ``dtype``; ``random_seed``; ``enable_memory_saver``:
     needed for ``rollout.engine.release_memory_during_train`` to give memory back (default: follows it);
+    ``enable_return_routed_experts``: needed for ``rollout.return_routed_experts`` (default: follows it);
     ``extra_args``: more SGLang flags, passed as given; ``python``: the interpreter with SGLang installed (this
     one by default); ``startup_timeout_s``: how long to wait for ``/health_generate`` (default
     ``cluster.engine_startup_timeout_s``); ``log_dir``: where the server logs go (a temp folder by default)."""
@@ -55,7 +58,8 @@ class SGLangLauncher(SubprocessLauncher):
     name = "SGLang server"
 
     def __init__(self, tp_size: int = 1, mem_fraction_static: float | None = None, dtype: str = "auto",
-                 random_seed: int = 0, enable_memory_saver: bool | None = None, extra_args: list[str] | None = None,
+                 random_seed: int = 0, enable_memory_saver: bool | None = None,
+                 enable_return_routed_experts: bool | None = None, extra_args: list[str] | None = None,
                  python: str | None = None, startup_timeout_s: float | None = None, log_dir: str | None = None,
                  stop_timeout_s: float = 30.0) -> None:
         self.check_args({"tp_size": tp_size, "mem_fraction_static": mem_fraction_static, "dtype": dtype,
@@ -67,6 +71,7 @@ class SGLangLauncher(SubprocessLauncher):
         self.dtype = dtype
         self.random_seed = random_seed
         self.enable_memory_saver = enable_memory_saver
+        self.enable_return_routed_experts = enable_return_routed_experts
         self.extra_args = [str(a) for a in extra_args or []]
         self.python = python
 
@@ -92,7 +97,8 @@ class SGLangLauncher(SubprocessLauncher):
         taken = sorted({str(a).split("=", 1)[0] for a in extra} & set(RESERVED_FLAGS))
         if taken:
             raise ValueError(f"extra_args: {', '.join(taken)} are set by Miles (use the plugin's arguments: "
-                             f"tp_size, mem_fraction_static, dtype, random_seed, enable_memory_saver)")
+                             f"tp_size, mem_fraction_static, dtype, random_seed, enable_memory_saver, "
+                             f"enable_return_routed_experts)")
         timeout = args.get("startup_timeout_s")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"startup_timeout_s: expected a positive number of seconds or null, got {timeout!r}")
@@ -110,7 +116,8 @@ class SGLangLauncher(SubprocessLauncher):
         return sglang_argv(model_path, host=host, port=port, tp_size=self._tp_size, weight_version=0,
                            random_seed=self.random_seed, dtype=self.dtype,
                            mem_fraction_static=self.mem_fraction_static,
-                           enable_memory_saver=bool(self.enable_memory_saver), admin_token=admin_token,
+                           enable_memory_saver=bool(self.enable_memory_saver),
+                           enable_return_routed_experts=bool(self.enable_return_routed_experts), admin_token=admin_token,
                            extra_args=self.extra_args, python=self.python)
 
     def environment(self, *, threads: int, admin_token: str) -> dict[str, str]:

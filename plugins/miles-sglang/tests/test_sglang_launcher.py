@@ -61,12 +61,13 @@ def alive(pid):
 
 def test_argv_has_sglangs_flags_and_values():
     argv = sglang_argv("/models/qwen", host="10.0.0.2", port=31000, tp_size=2, random_seed=7, dtype="bfloat16",
-                       mem_fraction_static=0.6, enable_memory_saver=True, admin_token="tok",
-                       extra_args=["--log-level", "warning"], python="/opt/sglang/bin/python")
+                       mem_fraction_static=0.6, enable_memory_saver=True, enable_return_routed_experts=True,
+                       admin_token="tok", extra_args=["--log-level", "warning"], python="/opt/sglang/bin/python")
     assert argv == ["/opt/sglang/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/qwen",
                     "--host", "10.0.0.2", "--port", "31000", "--tp-size", "2", "--weight-version", "0",
                     "--random-seed", "7", "--dtype", "bfloat16", "--mem-fraction-static", "0.6",
-                    "--enable-memory-saver", "--admin-api-key", "tok", "--log-level", "warning"]
+                    "--enable-memory-saver", "--enable-return-routed-experts", "--admin-api-key", "tok",
+                    "--log-level", "warning"]
 
 
 def test_argv_leaves_out_what_is_not_set():

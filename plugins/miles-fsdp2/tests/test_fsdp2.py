@@ -37,9 +37,9 @@ def test_first_steps_equal_the_single_process_backend(tiny_model_dir, split):
     assert single[0]["train/grad_norm"] > 0.5  # clipping was active, and matched
 
 
-def test_a_moe_model_with_routing_replay_and_aux_loss_equals_the_single_process_backend(tmp_path):
-    """Qwen3-MoE sharded over two workers: replaying given expert ids, with the router's aux loss, the first
-    step's loss, gradient norm and routing figures match one process."""
+def test_a_moe_model_with_routing_replay_equals_the_single_process_backend(tmp_path):
+    """Qwen3-MoE sharded over two workers, replaying given expert ids: loss, gradient norm and routing figures
+    match one process for two steps."""
     import torch
 
     from miles.testing import build_tiny_model
@@ -61,16 +61,14 @@ def test_a_moe_model_with_routing_replay_and_aux_loss_equals_the_single_process_
         backend.shutdown()
         return out
 
-    options = dict(lr=1e-2, max_grad_norm=0.5, routing_replay=True, router_aux_loss_coef=0.1)
+    options = dict(lr=1e-2, max_grad_norm=0.5, routing_replay=True)
     single = steps(TorchBackend(**options))
     sharded = steps(FSDP2Backend(world_size=2, **options))
-    for key in ("train/loss", "train/grad_norm", "train/routing_mismatch_frac"):
-        assert sharded[0][key] == pytest.approx(single[0][key], abs=1e-4), key
-    # Each worker's aux loss and expert loads are over its own micro-batch (a product of means, a maximum: not
-    # quite the whole batch's figures), so after one update the weights differ a little.
     for one, two in zip(single, sharded):
-        for key in ("moe/aux_loss", "train/loss"):
-            assert two[key] == pytest.approx(one[key], rel=0.05), key
+        for key in ("train/loss", "train/grad_norm", "train/routing_mismatch_frac"):
+            assert two[key] == pytest.approx(one[key], abs=1e-4), key
+        # each worker's aux loss is over its own micro-batch's expert loads (a product of means): close, not equal
+        assert two["moe/aux_loss"] == pytest.approx(one["moe/aux_loss"], rel=0.05)
     assert single[0]["train/routing_mismatch_frac"] == 0.0 and single[1]["moe/aux_loss"] > 0.9
 
 

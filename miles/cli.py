@@ -64,6 +64,16 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from miles.report import write_report
+
+    report = write_report(args.run_dir, args.out)
+    print(f"wrote {len(report.plots)} plot(s) and {report.index}")
+    for name, why in report.skipped.items():
+        print(f"  skipped {name}: {why}")
+    return 0
+
+
 def _cmd_engine_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -150,6 +160,12 @@ def _parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list installed plugins and what each registered")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     plugins.set_defaults(func=_cmd_plugins)
+
+    report = sub.add_parser("report", help="plot a run's metrics.jsonl (PNG files) with an HTML index and its summary")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (run.dir)")
+    report.add_argument("--out", default=None, help="where to write the plots and index.html (default RUN_DIR/report)")
+    report.set_defaults(func=_cmd_report)
+
     engine = sub.add_parser("engine", help="the embedded inference engine")
     engine_sub = engine.add_subparsers(dest="engine_command", required=True)
     serve = engine_sub.add_parser("serve", help="serve a model over HTTP with SGLang's protocol")

@@ -227,7 +227,10 @@ def miles_register_loggers(register: Register) -> None:
     """Register metric loggers, listed under ``run.loggers``.
 
     The factory is called with the node's arguments and returns an object with
-    ``start(run_dir, config)``, ``log(step, metrics)`` and ``close()``.
+    ``start(run_dir, config)``, ``log(step, metrics)`` and ``close()``; and, optionally,
+    ``rewind(step)``, which a resumed run calls after ``start`` with the first step it redoes, so that
+    what the interrupted run logged from that step on is dropped. Builtins: ``jsonl``, ``tensorboard``
+    and ``wandb`` (docs/observability.md).
     """
 
 

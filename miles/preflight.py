@@ -139,6 +139,34 @@ def context_length(model_path: str) -> int:
     return int(config.get("max_position_embeddings") or config.get("n_positions") or 2**31)
 
 
+def batch_arithmetic(config: Any) -> str:
+    """The step's batch arithmetic in words, for the start-up line; a combination that cannot be planned is a
+    :class:`ConfigError` naming the keys. Checked on the nominal sizes (selectors may keep fewer groups)."""
+    prompts, n = int(config.rollout.prompts_per_step), int(config.rollout.n_samples)
+    backend = component_node(config.backend)
+    minis, epochs = int(backend.get("mini_batches", 1)), int(backend.get("epochs", 1))
+    parallel = [int(backend.get(k, 1)) for k in ("tensor_parallel", "pipeline_parallel", "context_parallel")]
+    workers = max(1, int(backend.get("world_size", 1)) // math.prod(parallel))  # data-parallel ranks
+    if minis > 1 and prompts % minis:
+        divisors = ", ".join(str(d) for d in range(1, prompts + 1) if prompts % d == 0)
+        raise ConfigError(f"backend.mini_batches={minis} does not divide rollout.prompts_per_step={prompts}: each "
+                          f"mini-batch must hold whole groups (a prompt's {n} samples are scored against each other); "
+                          f"use one of {divisors}")
+    per_mini = prompts // minis * n
+    if per_mini < workers:
+        raise ConfigError(f"backend.world_size: {workers} data-parallel workers for mini-batches of {per_mini} samples "
+                          f"(rollout.prompts_per_step={prompts} x rollout.n_samples={n} / backend.mini_batches={minis}); "
+                          f"every worker needs at least one sample: fewer workers or mini-batches, or more prompts")
+    steps = minis * epochs
+    text = (f"batch: {prompts} prompts x {n} samples = {prompts * n} samples per step; {minis} mini-batch"
+            f"{'es' if minis > 1 else ''} of {per_mini} x {epochs} epoch{'s' if epochs > 1 else ''} = {steps} optimizer "
+            f"step{'s' if steps > 1 else ''} per rollout")
+    if steps > 1:
+        text += (f"; the last trains on samples from a policy {steps - 1} optimizer step{'s' if steps > 2 else ''} older "
+                 f"(train/policy_lag_max)")
+    return text
+
+
 def _check_routing(config: Any, model_path: str) -> None:
     """Routing replay needs the engine's expert ids, and those need a mixture-of-experts model."""
     replay = bool(component_node(config.backend).get("routing_replay", False))
@@ -218,6 +246,8 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
     config, run_cfg = p.config, p.config.run
     run_dir = _check_run_dir(run_cfg)
     backend = _trial_backends(p)
+    if run_cfg.steps > 0:
+        batch_arithmetic(config)
     ray_num_cpus = _check_cpus(config, backend)
     staging = Path(tempfile.mkdtemp(prefix="miles-staging-"))
     try:

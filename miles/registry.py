@@ -3,7 +3,8 @@
 The registry is filled by calling every plugin's registration hooks with a ``register`` callable
 bound to that plugin, so each name records the plugin and distribution version that gave it.
 A config node ``{name: ..., **args}`` is turned into a component by :meth:`Registry.build`; anywhere a
-name is accepted, an import path ``package.module:attr`` is accepted too.
+name is accepted, an import path ``package.module:attr`` is accepted too. An argument that is itself a
+component node (declared in the component's ``miles_components``) is checked and built the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from miles.errors import ConfigError, PluginError
 from miles.plugins import PluginInfo, PluginManager
 
-__all__ = ["KINDS", "Kind", "Entry", "Registry", "batched"]
+__all__ = ["KINDS", "Kind", "Entry", "Registry", "batched", "nested_nodes"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,40 @@ def batched(fn: Callable) -> Callable:
     """Mark a reward function as batched: it takes a list of samples and returns a list."""
     fn.miles_batched = True  # type: ignore[attr-defined]
     return fn
+
+
+def nested_nodes(obj: Any, args: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+    """The arguments of component ``obj`` that are component nodes themselves, as ``(argument, kind, node)``.
+
+    ``obj.miles_components`` maps such arguments to their kind (``{"reward": "reward"}``); the node is
+    the one in ``args``, else the signature's default (a name or a mapping); an argument that is None
+    is left out.
+    """
+    declared = getattr(obj, "miles_components", None) or {}
+    if not declared:
+        return []
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        params = {}
+    nested = []
+    for arg, kind in declared.items():
+        if arg in args:
+            node = args[arg]
+        elif arg in params and params[arg].default is not inspect.Parameter.empty:
+            node = params[arg].default
+        else:
+            continue
+        if node is not None:
+            nested.append((arg, kind, node))
+    return nested
+
+
+def _as_node(node: Any) -> dict[str, Any] | None:
+    """A nested component node as a dict (a bare name is ``{name: name}``); None when it is neither."""
+    if isinstance(node, str):
+        return {"name": node}
+    return dict(node) if isinstance(node, Mapping) else None
 
 
 @dataclass(frozen=True)
@@ -167,7 +202,15 @@ class Registry:
             entry = self.get(kind, name, where=f"{where}.name")
         except ConfigError as exc:
             return [str(exc)]
-        return [f"{where}.{problem}" for problem in _check_args(entry, KINDS[kind], args)]
+        problems = [f"{where}.{problem}" for problem in _check_args(entry, KINDS[kind], args)]
+        for arg, nested_kind, nested in nested_nodes(entry.obj, args):
+            nested_node = _as_node(nested)
+            if nested_node is None:
+                problems.append(f"{where}.{arg}: expected a {nested_kind} node ({{name: ..., args}}) or the name of "
+                                f"a {nested_kind}, got {nested!r}")
+            else:
+                problems += self.check(nested_kind, nested_node, f"{where}.{arg}")
+        return problems
 
     def build(self, kind: str, node: Mapping[str, Any], where: str) -> Any:
         """The component for a node ``{name, **args}``, after checking its arguments."""
@@ -176,6 +219,8 @@ class Registry:
             raise ConfigError("\n".join(problems))
         args = {key: value for key, value in node.items() if key != "name"}
         obj = self.get(kind, node["name"]).obj
+        for arg, nested_kind, nested in nested_nodes(obj, args):  # built first: the component gets them built
+            args[arg] = self.build(nested_kind, _as_node(nested), f"{where}.{arg}")
         call_params = KINDS[kind].call_params
         try:
             if KINDS[kind].per_use:

@@ -35,7 +35,7 @@ from miles.errors import RunError
 from miles.loop import Components, evaluate, sft_step
 from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
-from miles.preflight import context_length, preflight
+from miles.preflight import batch_arithmetic, context_length, preflight
 from miles.progress import progress
 from miles.rollout.collect import GroupCollector
 from miles.rollout.context import RolloutContext
@@ -165,7 +165,7 @@ def _sft_phase(run: _Run, model_path: str) -> str:
         for _ in range(config.sft.steps):
             metrics = sft_step(data, run.tokenizer, config.sft.batch_size, backend, loss, run.pad_token_id,
                                config.sft.messages_key)
-            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", refresh=False)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", step_s=f"{metrics['time/step_s']:.2f}", refresh=False)
             bar.update()
     out = str(run.run_dir / "sft_model")
     backend.save_pretrained(out, run.tokenizer, {"phase": "sft", "step": config.sft.steps, "plugins": run.stack})
@@ -405,8 +405,9 @@ def _rl_phase(run: _Run, model_path: str) -> str:
                 rewards.append(metrics["reward/mean"])  # can train groups that finished before the step began)
             if run_cfg.save_every and (step + 1) % run_cfg.save_every == 0:
                 checkpoint(step + 1)
-            if rewards:
-                bar.set_postfix(reward=f"{fmean(rewards[-10:]):.3f}", refresh=False)
+            reward = {"reward": f"{fmean(rewards[-10:]):.3f}"} if rewards else {}  # the mean of the last 10 steps
+            step_s = metrics.get("time/step_s", time.perf_counter() - step_start)
+            bar.set_postfix(**reward, step_s=f"{step_s:.2f}", refresh=False)
             bar.update()
     schedule.close()  # what the stream generated past the last step is not trained
     if run.eval_prompts:
@@ -464,6 +465,7 @@ def train(p: Prepared) -> dict[str, Any]:
         elif config.sft.steps > 0:
             model_path = _sft_phase(run, model_path)
         if run_cfg.steps > 0:
+            print(batch_arithmetic(config), file=sys.stderr)
             model_path = _rl_phase(run, model_path)
 
     summary = run.summary

@@ -155,6 +155,52 @@ def test_mini_batches_are_optimizer_steps_on_successive_shares(tiny_model_dir):
         assert (tensor - by_hand.export_weights()[name]).abs().max() < 1e-4, name  # Adam magnifies float noise
 
 
+def test_epochs_pass_over_the_batch_again_and_report_the_staleness(tiny_model_dir):
+    batch = make_train_batch()
+    passes = TorchBackend(lr=1e-2, mini_batches=2, epochs=2, old_logprobs="recompute")
+    passes.setup(str(tiny_model_dir), seed=0, total_steps=10)
+    metrics = passes.train_step(batch, ppo_clip)
+    assert passes.policy.scheduler.last_epoch == 4 and metrics["train/micro_batches"] == 4
+    assert (metrics["train/optimizer_steps"], metrics["train/policy_lag_max"]) == (4.0, 3.0)
+    assert metrics["train/approx_kl"] > 0  # later passes see a policy that moved from the one that sampled
+
+    by_hand = TorchBackend(lr=1e-2)  # old log-probs: the batch's, set to the policy's before the first step
+    by_hand.setup(str(tiny_model_dir), seed=0)
+    halves = [batch.select(rows) for rows in ([0, 1, 2], [3, 4, 5])]
+    for half in halves:
+        half.rollout_logprobs = by_hand.compute_logprobs(half)
+    for _ in range(2):
+        for half in halves:
+            by_hand.train_step(half, ppo_clip)
+    for name, tensor in passes.export_weights().items():
+        assert (tensor - by_hand.export_weights()[name]).abs().max() < 1e-4, name
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["backend.mini_batches=3"], "backend.mini_batches=3 does not divide rollout.prompts_per_step=16"),
+    (["backend.name=fsdp2", "backend.world_size=4", "rollout.prompts_per_step=2", "rollout.n_samples=1"],
+     "backend.world_size: 4 data-parallel workers for mini-batches of 2 samples"),
+])
+def test_batch_arithmetic_that_cannot_be_planned_is_a_config_error(capsys, tmp_path, overrides, message):
+    from miles.cli import main
+
+    assert main(["config", "configs/quickstart.yaml", f"run.dir={tmp_path}/run", *overrides]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_batch_arithmetic_is_spelled_out():
+    from miles.preflight import batch_arithmetic
+    from miles.runner import prepare
+
+    config = prepare("configs/quickstart.yaml", ["backend.mini_batches=4", "backend.epochs=2"]).config
+    assert batch_arithmetic(config) == (
+        "batch: 16 prompts x 8 samples = 128 samples per step; 4 mini-batches of 32 x 2 epochs = 8 optimizer steps "
+        "per rollout; the last trains on samples from a policy 7 optimizer steps older (train/policy_lag_max)")
+    assert batch_arithmetic(prepare("configs/quickstart.yaml", []).config) == (
+        "batch: 16 prompts x 8 samples = 128 samples per step; 1 mini-batch of 128 x 1 epoch = 1 optimizer step "
+        "per rollout")
+
+
 def test_bfloat16_and_cuda_are_refused_without_a_gpu(tiny_model_dir):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

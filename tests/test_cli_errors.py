@@ -24,7 +24,8 @@ def rows_file(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["reward.name=exact_mtch"], "unknown reward 'exact_mtch' (at reward.name). Registered rewards: env, exact_match"),
+        (["reward.name=exact_mtch"], "unknown reward 'exact_mtch' (at reward.name). Registered rewards: code_tests, env, "
+                                       "exact_match, f1, format, math, multiple_choice"),
         (["backend.name=fsdp3"], "unknown backend 'fsdp3' (at backend.name). Registered backends: "),
         (["rollout.n_smaples=2"], "unknown config key 'rollout.n_smaples'"),
         (["run.steps=ten"], "config key 'run.steps' (in overrides) expects int, got 'ten'"),

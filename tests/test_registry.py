@@ -69,7 +69,7 @@ def test_unknown_name_lists_registered_and_closest():
     with pytest.raises(ConfigError) as err:
         registry.get("reward", "exact_mach", where="reward.name")
     assert "unknown reward 'exact_mach' (at reward.name)" in str(err.value)
-    assert "Registered rewards: env, exact_match;" in str(err.value)
+    assert "Registered rewards: code_tests, env, exact_match, f1, format, math, multiple_choice;" in str(err.value)
     assert "did you mean 'exact_match'?" in str(err.value)
 
 

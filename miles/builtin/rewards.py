@@ -1,8 +1,9 @@
-"""Builtin rewards."""
+"""Builtin rewards: ``exact_match`` and ``env`` here, and the reward library of :mod:`miles.rewards`."""
 
 from __future__ import annotations
 
 from miles import hookimpl
+from miles.rewards import CodeTests, FormatReward, math_reward, multiple_choice, token_f1
 from miles.types import Sample, SampleStatus
 
 
@@ -34,3 +35,8 @@ def env(sample: Sample, truncated: float = 0.0) -> float | dict[str, float]:
 def miles_register_rewards(register):
     register("exact_match", exact_match)
     register("env", env)
+    register("math", math_reward)
+    register("multiple_choice", multiple_choice)
+    register("f1", token_f1)
+    register("format", FormatReward)
+    register("code_tests", CodeTests)

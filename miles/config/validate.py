@@ -12,7 +12,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from miles.config.schema import COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES, ORCHESTRATION_KEYS, SCHEDULES
 from miles.errors import ConfigError
-from miles.registry import KINDS, Registry
+from miles.registry import KINDS, Registry, nested_nodes
 
 __all__ = ["validate_config", "component_node", "split_node"]
 
@@ -87,7 +87,7 @@ def split_node(node: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
 def _argument_problems(registry: Registry, kind: str, args: dict[str, Any], where: str) -> list[str]:
     """Arguments that only work together, as the component judges them (raising ValueError): a data
     selector's constructor, or the ``check_args(args)`` a component carries, given the node's arguments
-    over the defaults of its signature."""
+    over the defaults of its signature. Nested component nodes (``miles_components``) are judged too."""
     obj = registry.get(kind, args["name"]).obj
     given = {k: v for k, v in args.items() if k != "name"}
     try:
@@ -99,7 +99,10 @@ def _argument_problems(registry: Registry, kind: str, args: dict[str, Any], wher
             obj.check_args({**{p.name: p.default for p in params if p.default is not p.empty}, **given})
     except (TypeError, ValueError) as exc:
         return [f"{where}: {kind} {args['name']!r} rejected its arguments: {exc}"]
-    return []
+    problems = []
+    for arg, nested_kind, nested in nested_nodes(obj, given):
+        problems += _argument_problems(registry, nested_kind, component_node(nested), f"{where}.{arg}")
+    return problems
 
 
 def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[str]:

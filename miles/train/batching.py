@@ -86,10 +86,12 @@ def plan_step(lengths: torch.Tensor, *, world_size: int = 1, mini_batches: int =
     return plan
 
 
-def plan_batch(batch, options, *, world_size: int = 1, mini_batches: int = 1) -> Plan:
-    """:func:`plan_step` for a ``TrainBatch`` with a backend's micro-batch options (``TrainOptions``)."""
-    return plan_step(batch.attention_mask.sum(dim=1), world_size=world_size, mini_batches=mini_batches,
+def plan_batch(batch, options, *, world_size: int = 1, mini_batches: int = 1, epochs: int = 1) -> Plan:
+    """:func:`plan_step` for a ``TrainBatch`` with a backend's micro-batch options (``TrainOptions``); with
+    ``epochs``, its mini-batches again, in the same order, for each further pass over the batch."""
+    plan = plan_step(batch.attention_mask.sum(dim=1), world_size=world_size, mini_batches=mini_batches,
                      max_samples=options.micro_batch_size, max_tokens=options.max_tokens_per_micro_batch)
+    return plan * epochs
 
 
 def normalizers(loss_mask: torch.Tensor, plan: Plan) -> list[tuple[float, float]]:

@@ -35,6 +35,9 @@ class TrainOptions:
     micro_batch_size: int = 256
     max_tokens_per_micro_batch: Optional[int] = None
     mini_batches: int = 1  # optimizer steps per training batch, each on an equal share of its samples
+    # passes over the training batch (PPO epochs): mini_batches x epochs optimizer steps per rollout; every step after
+    # the first trains on samples from a policy that many optimizer steps older (train/policy_lag_max)
+    epochs: int = 1
     old_logprobs: str = "rollout"  # "rollout": the engine's log-probs; "recompute": a trainer forward pass
     lr_schedule: str = "constant"  # constant, linear or cosine decay to min_lr_ratio * lr over the run
     warmup_steps: int = 0  # linear warm-up from 0 over this many optimizer steps
@@ -57,7 +60,7 @@ class TrainOptions:
         for name in ("lr",):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("micro_batch_size", "mini_batches"):
+        for name in ("micro_batch_size", "mini_batches", "epochs"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:

@@ -69,7 +69,7 @@ class Policy:
         self.logprob_kernel = select_kernel(options.logprob_kernel, device) if options.logprob_chunk_tokens else None
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=options.lr, betas=(options.beta1, options.beta2), weight_decay=options.weight_decay)
-        total = None if total_steps is None else total_steps * options.mini_batches
+        total = None if total_steps is None else total_steps * options.mini_batches * options.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: options.lr_factor(k, total))
 
     def _autocast(self) -> Any:
@@ -192,7 +192,8 @@ class Policy:
         the first optimizer step."""
         lr = self.scheduler.get_last_lr()[0]
         if self.options.old_logprobs == "recompute":  # all before the first optimizer step
-            olds = [self.logprobs(batch, micros) for micros in plan]
+            passes = self.options.epochs if len(plan) % self.options.epochs == 0 else 1
+            olds = [self.logprobs(batch, micros) for micros in plan[: len(plan) // passes]] * passes
         sums, grad_norms = [], []
         needs_entropy_grad = getattr(loss_fn, "needs_entropy_grad", False)
         train_critic = self.critic is not None and batch.returns is not None
@@ -287,6 +288,10 @@ def combine_metrics(sums: list[dict[str, float]], norms: list[float], lr: float)
     metrics.setdefault("train/clip_frac", 0.0)  # losses without clipping clip nothing
     metrics["train/grad_norm"] = sum(norms) / len(norms)
     metrics["train/lr"] = lr
+    # optimizer steps on this batch; the last of them trained on samples from a policy that many steps minus one
+    # older than itself (mini_batches x epochs: the staleness several passes add)
+    metrics["train/optimizer_steps"] = float(len(norms))
+    metrics["train/policy_lag_max"] = float(len(norms) - 1)
     return dict(metrics)
 
 
@@ -331,7 +336,7 @@ class TorchBackend:
         return self.policy.model
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        plan = plan_batch(batch, self.options, mini_batches=self.options.mini_batches)
+        plan = plan_batch(batch, self.options, mini_batches=self.options.mini_batches, epochs=self.options.epochs)
         return combine_metrics(*self.policy.train(batch, [mini[0] for mini in plan], normalizers(batch.loss_mask, plan), loss_fn))
 
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:

@@ -80,7 +80,8 @@ class FSDP2Backend(RayWorkersBackend):
     # -- the backend contract ------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        plan = plan_batch(batch, self.options, world_size=self.world_size, mini_batches=self.options.mini_batches)
+        plan = plan_batch(batch, self.options, world_size=self.world_size, mini_batches=self.options.mini_batches,
+                          epochs=self.options.epochs)
         results = self._all("train", normalizers(batch.loss_mask, plan), loss_fn, per_rank=self._shares(batch, plan))
         sums = sum_over_ranks([rank_sums for rank_sums, _, _ in results])
         return combine_metrics(sums, results[0][1], results[0][2])  # norms and lr are global

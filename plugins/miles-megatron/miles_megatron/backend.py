@@ -162,7 +162,8 @@ class MegatronBackend(RayWorkersBackend):
     # -- the backend contract ------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        plan = plan_batch(batch, self.options, world_size=self.data_parallel, mini_batches=self.options.mini_batches)
+        plan = plan_batch(batch, self.options, world_size=self.data_parallel, mini_batches=self.options.mini_batches,
+                          epochs=self.options.epochs)
         results = self._all("train", normalizers(batch.loss_mask, plan), loss_fn, per_rank=self._shares(batch, plan))
         sums = sum_over_ranks([results[k][0] for k in self._leads()])
         return combine_metrics(sums, results[0][1], results[0][2])  # norms and lr are global

@@ -1,0 +1,102 @@
+"""``miles report``: a PNG per plot from a real run's metrics.jsonl, an HTML index linking them, the plots a
+run without some metrics can have, and clear errors for what is not a run."""
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from miles.cli import main
+from miles.report import DPI, FIGURE_SIZE_IN, PLOTS
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("report") / "run"
+    assert main(["train", "configs/quickstart.yaml", f"run.dir={run_dir}", "sft.steps=2", "run.steps=6",
+                 "rollout.prompts_per_step=4", "rollout.n_samples=2", "run.eval_size=4", "run.eval_every=3",
+                 "run.progress=false"]) == 0
+    return run_dir
+
+
+def assert_drawn_png(path):
+    """A PNG that matplotlib drew: the signature, the figure's size, and more than a blank canvas."""
+    from matplotlib.image import imread
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+    pixels = imread(path)
+    assert pixels.shape[:2] == (FIGURE_SIZE_IN[1] * DPI, FIGURE_SIZE_IN[0] * DPI), (path, pixels.shape)
+    colors = {tuple(p) for p in pixels.reshape(-1, pixels.shape[2])[::7].tolist()}
+    assert len(colors) > 20, (path, len(colors))  # axes, text, lines in several colours: not a blank image
+
+
+def test_every_plot_is_drawn_and_linked(run_dir, capsys):
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {len(PLOTS)} plot(s)" in out and "skipped" not in out
+    report = run_dir / "report"
+    index = (report / "index.html").read_text()
+    for plot in PLOTS:
+        assert_drawn_png(report / f"{plot.name}.png")
+        assert f"href='{plot.name}.png'" in index and f"src='{plot.name}.png'" in index
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "reward_end" in index and f"{summary['reward_end']:.4g}" in index
+    assert "6 RL step(s)" in index and "Skipped" not in index
+
+
+def test_a_run_without_some_metrics_gets_the_other_plots(run_dir, tmp_path, capsys):
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(run_dir / "summary.json", partial)
+    removed = ("rollout/truncated_frac", "train/rollout_logprob_abs_diff")
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.append({k: v for k, v in row.items() if k not in removed and not k.startswith("time/")})
+    (partial / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out_dir = partial / "plots"
+    out_dir.mkdir()
+    (out_dir / "truncation.png").write_bytes(b"stale")  # from an earlier report: removed, not left to mislead
+
+    assert main(["report", str(partial), "--out", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    skipped = {"truncation", "step_time", "logprob_gap"}
+    assert f"wrote {len(PLOTS) - len(skipped)} plot(s)" in out
+    index = (out_dir / "index.html").read_text()
+    for plot in PLOTS:
+        if plot.name in skipped:
+            assert not (out_dir / f"{plot.name}.png").exists()
+            assert f"skipped {plot.name}: metrics.jsonl has no" in out
+            assert f"<li><b>{plot.name}</b>: metrics.jsonl has no" in index
+        else:
+            assert_drawn_png(out_dir / f"{plot.name}.png")
+            assert f"src='{plot.name}.png'" in index
+    assert "`rollout/truncated_frac`" in index and "`train/rollout_logprob_abs_diff`" in index
+
+
+@pytest.mark.parametrize("content", [None, "", "\n"])
+def test_missing_or_empty_metrics_is_an_error(content, tmp_path, capsys):
+    if content is not None:
+        (tmp_path / "metrics.jsonl").write_text(content)
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl" in err and ("does not exist" in err if content is None else "is empty" in err), err
+    assert not (tmp_path / "report").exists()
+
+
+def test_not_a_directory_and_bad_rows_are_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "reward/mean": 0.5}\n{"step": 1, "rew\n')
+    assert main(["report", str(tmp_path)]) == 2
+    assert "line 2: not JSON" in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_pip_command_is_named(run_dir, tmp_path, monkeypatch, capsys):
+    for name in [name for name in sys.modules if name.split(".")[0] == "matplotlib"] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    assert main(["report", str(run_dir), "--out", str(tmp_path)]) == 2
+    assert "pip install 'miles[report]'" in capsys.readouterr().err

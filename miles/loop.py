@@ -131,7 +131,7 @@ def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[st
     if c.mask_off_policy:
         for sample in train_samples:
             sample.mask_off_policy()
-    train_s = sync_s = 0.0
+    train_s = sync_s = logprob_s = 0.0
     if train_samples:
         train_start = time.perf_counter()
         batch = TrainBatch.from_samples(train_samples, c.pad_token_id)
@@ -143,8 +143,9 @@ def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[st
             batch.values = c.backend.compute_values(batch)
         batch.advantages = c.advantage_fn(batch)
         metrics["train/nonzero_adv_frac"] = float((batch.advantages.abs().sum(dim=1) > 0).float().mean())
+        logprob_s = time.perf_counter() - train_start  # forward passes before the update: reference, values
         metrics.update(c.backend.train_step(batch, c.loss_fn))
-        train_s = time.perf_counter() - train_start
+        train_s = time.perf_counter() - train_start - logprob_s
         sync_start = time.perf_counter()
         push()
         sync_s = time.perf_counter() - sync_start
@@ -153,6 +154,7 @@ def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[st
         metrics["train/tokens_per_s"] = 0.0
     metrics["train/samples"] = len(train_samples)
     metrics["time/train_s"] = train_s
+    metrics["time/logprob_s"] = logprob_s
     metrics["time/weight_sync_s"] = sync_s
 
 

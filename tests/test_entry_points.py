@@ -88,7 +88,8 @@ def test_cli_plugins_json_lists_versions_and_registrations(site, miles_cli):
     plugins = {p["name"]: p for p in json.loads(result.stdout)}
     assert plugins["shout"]["version"] == "0.3.1"
     assert plugins["shout"]["registered"] == {"reward": ["shout"]}
-    assert plugins["miles.builtin.rewards"]["registered"]["reward"] == ["env", "exact_match"]
+    assert plugins["miles.builtin.rewards"]["registered"]["reward"] == [
+        "code_tests", "env", "exact_match", "f1", "format", "math", "multiple_choice"]
 
     table = miles_cli("plugins", env={"PYTHONPATH": str(site)})
     assert table.returncode == 0

@@ -9,24 +9,17 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from miles import __version__
+from miles import __version__, interrupts
 from miles.errors import ConfigError, MilesError, RunError
+from miles.interrupts import Terminated
 
 __all__ = ["main"]
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so that the run unwinds like Ctrl-C (engines, Ray shut down)."""
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from miles.runner import prepare, train
 
-    signal.signal(signal.SIGTERM, _terminate)
+    interrupts.handle()
     train(prepare(args.config, args.overrides))
     return 0
 
@@ -104,7 +97,7 @@ def _cmd_session_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port}: expected a port number in [0, 65535] (0: any free port)")
     parser = Registry.from_plugin_manager(build_plugin_manager()).get("tool_parser", args.tool_parser,
                                                                       where="--tool-parser").obj()
-    signal.signal(signal.SIGTERM, _terminate)
+    interrupts.handle()
     try:
         serve(args.model, host=args.host, port=args.port, tool_parser=parser, seed=args.seed)
     except ValueError as exc:  # e.g. a tokenizer without a chat template

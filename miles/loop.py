@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any, Callable
 
+from miles import interrupts
 from miles.agentic.metrics import agentic_metrics
 from miles.errors import DataError, RunError
 from miles.rollout.context import RolloutContext
@@ -170,6 +171,7 @@ def finish_step(c: Components, metrics: dict[str, float], start: float) -> dict[
             seen[key] = stats[key]
         metrics["rollout/engines_in_service"] = len(c.plane.router.healthy)
     metrics["time/step_s"] = time.perf_counter() - start
+    interrupts.check()  # a SIGINT/SIGTERM whose exception was swallowed stops the run here
     return metrics
 
 
@@ -221,6 +223,7 @@ def sft_step(data: PromptSource, tokenizer: Any, batch_size: int, backend: Any, 
     batch = TrainBatch.from_samples(sft_samples(data.next(batch_size), tokenizer, messages_key), pad_token_id)
     metrics = backend.train_step(batch, loss_fn)
     metrics["time/step_s"] = time.perf_counter() - start
+    interrupts.check()
     return metrics
 
 

@@ -78,3 +78,28 @@ def test_a_diverged_run_stops_with_a_clear_error_naming_the_tensors(capsys, tmp_
     assert "step 0: the engines refused the new weights (version 1); they keep serving version 0" in err
     assert "NaN or inf" in err and "model.embed_tokens.weight" in err
     assert "Traceback" not in err
+
+
+def test_a_signal_swallowed_in_a_destructor_stops_the_run_at_the_next_step():
+    """A SIGTERM that lands in a ``__del__`` (or a weakref callback) has its exception printed and dropped by
+    Python; the handler records it and the next step's check raises it again, once."""
+    import os
+    import signal
+
+    from miles import interrupts
+
+    class Dying:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10_000):  # the Python-level handler runs in here; its exception goes nowhere
+                pass
+
+    interrupts.handle()
+    try:
+        Dying()
+        with pytest.raises(interrupts.Terminated):
+            interrupts.check()
+        interrupts.check()  # raised once only
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -4,13 +4,24 @@ The CLI's handlers raise in the main thread so that the run unwinds (engines, Ra
 A signal that arrives while the main thread runs a weakref callback or a ``__del__`` has its exception
 printed and dropped ("Exception ignored in ..."), and the run would go on. So the handler also records the
 signal, and the loops call :func:`check` once per step: it raises again what was dropped.
+
+Coroutines the main thread runs go through :func:`run`: there a signal cancels the coroutine's task instead
+of raising inside whatever the loop was doing (a subprocess being spawned, the selector), so every
+``finally`` of the rollouts runs on a sound loop, and the interruption is raised once the task has unwound.
+A second signal while it unwinds raises at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
-__all__ = ["Terminated", "handle", "check"]
+__all__ = ["Terminated", "handle", "check", "run"]
+
+T = TypeVar("T")
 
 
 class Terminated(KeyboardInterrupt):
@@ -44,3 +55,34 @@ def check() -> None:
     if _pending is not None:
         signum, _pending = _pending, None
         _raise(signum)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(coro)``, where SIGINT/SIGTERM (once :func:`handle` took them) cancel the coroutine and the
+    interruption is raised after it has unwound. Elsewhere (another thread, no handler) plain ``asyncio.run``."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not _on_signal:
+        return asyncio.run(coro)
+    with asyncio.Runner() as runner:
+        loop = runner.get_loop()
+        task = loop.create_task(coro)
+
+        def on_signal(signum: int, frame: object) -> None:
+            global _pending
+            if _pending is not None or task.done():  # a second signal, or one after the work: raise now
+                _on_signal(signum, frame)
+            _pending = signum
+            task.cancel()
+            loop.call_soon_threadsafe(lambda: None)  # wake the loop's selector
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        try:
+            result = loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            check()  # cancelled by a signal: raise its interruption instead
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, _on_signal)
+            signal.signal(signal.SIGINT, _on_signal)
+        check()  # the task finished in spite of the cancel
+        return result

@@ -98,45 +98,54 @@ def test_more_engines_than_the_machine_can_place_fail_fast(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_interrupted_run_leaves_no_ray_processes(tmp_path, sig):
+@pytest.mark.parametrize("sig, moment", [(signal.SIGINT, "start-up"), (signal.SIGINT, "steps"),
+                                         (signal.SIGTERM, "steps")])
+def test_interrupted_run_leaves_no_ray_processes(tmp_path, sig, moment):
+    """The signal lands as soon as Ray runs for the run (engines and workers starting), or at a random moment
+    after the first step (generation, the weight push, training or logging): the run exits 128 + signal and
+    leaves no Ray process."""
+    import random
     import subprocess
-    import sys
     import time
 
     from miles.cluster import RayCluster
-
-    run_dir = tmp_path / "run"
     from miles.testing import MILES_WITH_CTRL_C
 
-    proc = subprocess.Popen([*MILES_WITH_CTRL_C, "train", "configs/quickstart.yaml", f"run.dir={run_dir}",
-                             "run.progress=false", "rollout.engine.num_engines=1", "sft.steps=5"],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    for _ in range(1200):
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("the run did not reach step 3: " + proc.communicate()[0][-2000:])
+    run_dir = tmp_path / "run"
     temp_dir = str(RayCluster.temp_dir_for(run_dir))
     ray_processes = lambda: [l for l in subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True,  # noqa: E731
                                                        text=True).stdout.splitlines() if temp_dir in l]
+    metrics = run_dir / "metrics.jsonl"
+    reached = {"start-up": ray_processes,
+               "steps": lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1}[moment]
+    delay_s = random.uniform(0, 2) if moment == "steps" else 0.0
+    proc = subprocess.Popen([*MILES_WITH_CTRL_C, "train", "configs/quickstart.yaml", f"run.dir={run_dir}",
+                             "run.progress=false", "rollout.engine.num_engines=1", "sft.steps=5"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        for _ in range(1200):
+            if reached():
+                break
+            assert proc.poll() is None, proc.communicate()[0][-2000:]
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the run did not reach {moment}")
+        time.sleep(delay_s)
         assert ray_processes()  # Ray is running for this run
         proc.send_signal(sig)
         output = proc.communicate(timeout=120)[0]
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 128 + sig, output[-2000:]  # 130 for SIGINT, 143 for SIGTERM
-    assert ("miles: interrupted" if sig == signal.SIGINT else "miles: terminated (SIGTERM)") in output
+    where = f"signal {sig} at {moment} + {delay_s:.2f} s"
+    assert proc.returncode == 128 + sig, f"{where}: {output[-2000:]}"  # 130 for SIGINT, 143 for SIGTERM
+    assert ("miles: interrupted" if sig == signal.SIGINT else "miles: terminated (SIGTERM)") in output, where
+    assert "Traceback" not in output, f"{where}: {output[-2000:]}"
     for _ in range(100):
         if not ray_processes():
             break
         time.sleep(0.1)
-    assert ray_processes() == []
+    assert ray_processes() == [], where
 
 
 class SuicidalLoss:

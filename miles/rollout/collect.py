@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles import interrupts
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import PromptSource
 from miles.rollout.generate import make_groups, run_one, run_rollouts
@@ -69,7 +70,7 @@ class GroupCollector:
             self.next_group_index += count
             if self.partial_rollout:
                 ctx.abort_requested = False
-                run = ctx.run or asyncio.run
+                run = ctx.run or interrupts.run
                 done, removed_now, completed = run(self._round_partial(groups, rollout_fn, ctx, reward_fn,
                                                                        target - len(kept)))
                 fresh = [s for g in completed for s in g.samples]

@@ -8,6 +8,7 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from miles import interrupts
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt
 from miles.rollout.router import NoEngineLeft
@@ -94,4 +95,4 @@ def run_rollouts(groups: list[Group], rollout_fn: Callable, ctx: RolloutContext)
     async def _all() -> None:
         await asyncio.gather(*(run_one(rollout_fn, s, ctx) for g in groups for s in g.samples))
 
-    (ctx.run or asyncio.run)(_all())
+    (ctx.run or interrupts.run)(_all())

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from miles import interrupts
 from miles.rollout.router import Router
 
 __all__ = ["EventLoopThread", "RolloutPlane"]
@@ -30,7 +31,12 @@ class EventLoopThread:
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except BaseException:  # an interruption or the time limit: the coroutine stops too, its finally blocks run
+            future.cancel()
+            raise
 
     def close(self) -> None:
         if self.loop.is_running():
@@ -77,7 +83,7 @@ class RolloutPlane:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         if self.aio is None:  # nothing lives on the loop between steps: run in this thread, one thread fewer
-            return asyncio.run(coro)
+            return interrupts.run(coro)
         return self.aio.run(coro, timeout_s)
 
     def post_all(self, path: str, body: dict[str, Any] | bytes, timeout_s: float | None = None,

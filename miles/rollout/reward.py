@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from miles import interrupts
 from miles.rollout.generate import failure_reason, time_limit, within
 from miles.types import Sample
 
@@ -44,7 +45,7 @@ def _check(sample: Sample, value: Any) -> None:
 def score_samples(samples: list[Sample], reward_fn: Callable) -> None:
     """Set ``reward`` on every trainable sample in place; a reward that raises or runs past its time
     limit fails only its sample (a batched one, every sample of the batch)."""
-    asyncio.run(score_samples_async(samples, reward_fn))
+    interrupts.run(score_samples_async(samples, reward_fn))
 
 
 async def score_samples_async(samples: list[Sample], reward_fn: Callable) -> None:

@@ -1,0 +1,101 @@
+"""Ctrl-C and SIGTERM while the main thread runs rollouts: :func:`miles.interrupts.run` cancels the coroutine,
+lets it unwind on a sound loop, and raises the interruption after; a second signal raises at once."""
+
+import asyncio
+import os
+import random
+import signal
+import threading
+
+import pytest
+
+from miles import interrupts
+
+
+@pytest.fixture
+def handled():
+    interrupts.handle()
+    yield
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _signal_when(ready: threading.Event, signum: int, delay_s: float = 0.0) -> threading.Thread:
+    def send():
+        ready.wait()
+        threading.Event().wait(delay_s)
+        os.kill(os.getpid(), signum)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_signal_at_a_random_moment_of_spawning_subprocesses_unwinds_the_coroutine(handled, seed):
+    """The signal lands anywhere in a loop that spawns subprocesses (where a raised KeyboardInterrupt used to
+    leave a task with an unretrieved exception): the coroutine's ``finally`` runs, can still spawn one, and
+    the caller gets KeyboardInterrupt."""
+    started, unwound = threading.Event(), []
+
+    async def spawning():
+        try:
+            while True:
+                proc = await asyncio.create_subprocess_exec("true")
+                await proc.wait()
+                started.set()
+        finally:
+            proc = await asyncio.create_subprocess_exec("true")
+            unwound.append(await proc.wait())
+
+    sender = _signal_when(started, signal.SIGINT, random.Random(seed).uniform(0, 0.05))
+    with pytest.raises(KeyboardInterrupt) as raised:
+        interrupts.run(spawning())
+    sender.join()
+    assert type(raised.value) is KeyboardInterrupt and unwound == [0]
+    interrupts.check()  # nothing left pending
+
+
+def test_sigterm_raises_terminated_after_the_coroutine_unwound(handled):
+    started, unwound = threading.Event(), []
+
+    async def waiting():
+        try:
+            started.set()
+            await asyncio.Event().wait()
+        finally:
+            unwound.append(True)
+
+    sender = _signal_when(started, signal.SIGTERM)
+    with pytest.raises(interrupts.Terminated):
+        interrupts.run(waiting())
+    sender.join()
+    assert unwound == [True]
+
+
+def test_a_second_signal_while_unwinding_raises_at_once(handled):
+    """A ``finally`` that hangs does not hold the run: the second Ctrl-C raises without waiting for it."""
+    started, unwinding = threading.Event(), threading.Event()
+
+    async def stuck():
+        try:
+            started.set()
+            await asyncio.Event().wait()
+        finally:
+            unwinding.set()
+            await asyncio.Event().wait()
+
+    first, second = _signal_when(started, signal.SIGINT), _signal_when(unwinding, signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.run(stuck())
+    first.join(), second.join()
+
+
+def test_a_coroutine_that_finishes_normally_returns_its_value_and_handlers_are_restored(handled):
+    async def answer():
+        await asyncio.sleep(0)
+        return 42
+
+    assert interrupts.run(answer()) == 42
+    assert signal.getsignal(signal.SIGINT) is interrupts._on_signal
+    assert signal.getsignal(signal.SIGTERM) is interrupts._on_signal

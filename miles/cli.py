@@ -24,6 +24,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    """The eval section's datasets on a trained model: one line per metric, or JSON."""
+    from miles.runner import evaluate_model, prepare
+
+    interrupts.handle()
+    metrics = evaluate_model(prepare(args.config, args.overrides), args.model)
+    if args.json:
+        print(json.dumps(metrics, indent=1))
+    else:
+        width = max(map(len, metrics))
+        for key, value in metrics.items():
+            print(f"{key.ljust(width)}  {value:.4f}" if isinstance(value, float) else f"{key.ljust(width)}  {value}")
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     """The resolved config, after every check ``miles train`` makes before it starts (nothing is written)."""
     from omegaconf import OmegaConf
@@ -64,6 +79,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
     print(f"wrote {len(report.plots)} plot(s) and {report.index}")
     for name, why in report.skipped.items():
         print(f"  skipped {name}: {why}")
+    return 0
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from miles.replay import replay
+
+    interrupts.handle()
+    replay(args.run_dir, args.overrides, out=args.out, steps=args.steps, overwrite=args.overwrite)
     return 0
 
 
@@ -145,6 +168,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.steps=50 reward.name=my_reward")
     train.set_defaults(func=_cmd_train)
 
+    evaluate = sub.add_parser("eval", help="evaluate a model on the config's eval datasets (mean@n, pass@k)")
+    evaluate.add_argument("config", help="YAML config file: its eval section, data, engine, rollout function, reward")
+    evaluate.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.datasets[0].n=8")
+    evaluate.add_argument("--model", required=True, metavar="DIR", help="an HF model directory, e.g. RUN_DIR/final_model")
+    evaluate.add_argument("--json", action="store_true", help="the metrics as JSON")
+    evaluate.set_defaults(func=_cmd_eval)
+
     config = sub.add_parser("config", help="print the resolved config (defaults, file, overrides) after validation")
     config.add_argument("config")
     config.add_argument("overrides", nargs="*")
@@ -158,6 +188,23 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (run.dir)")
     report.add_argument("--out", default=None, help="where to write the plots and index.html (default RUN_DIR/report)")
     report.set_defaults(func=_cmd_report)
+
+    replay = sub.add_parser(
+        "replay", help="train on a run's saved rollouts (run.save_rollouts) again, without an engine",
+        description="Train on the rollouts a run saved (run.save_rollouts=true: RUN_DIR/rollouts/step_*.npz), step "
+                    "by step, as the run trained on them: the run's config.yaml with the given overrides, the model "
+                    "its RL phase started from, its seed and torch threads, each step's RNG state. No engine is "
+                    "started. Without overrides, every train/* metric equals the run's (train/tokens_per_s aside). "
+                    "RUN_DIR itself is not changed. See docs/debugging.md.")
+    replay.add_argument("run_dir", metavar="RUN_DIR", help="the directory of a run made with run.save_rollouts=true")
+    replay.add_argument("overrides", nargs="*", help="key=value overrides of the run's config, e.g. backend.lr=5e-4 "
+                                                     "loss.clip_high=0.28 (run.dir is --out)")
+    replay.add_argument("--out", default=None, help="where the replay writes config.yaml, metrics.jsonl, replay.json "
+                                                    "and summary.json (default RUN_DIR/replay)")
+    replay.add_argument("--steps", type=int, default=None, metavar="N", help="replay the first N saved steps "
+                                                                              "(default: all)")
+    replay.add_argument("--overwrite", action="store_true", help="replace an earlier replay in --out")
+    replay.set_defaults(func=_cmd_replay)
 
     engine = sub.add_parser("engine", help="the embedded inference engine")
     engine_sub = engine.add_subparsers(dest="engine_command", required=True)
@@ -212,7 +259,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides may also come after options (miles eval CONFIG --model DIR k=v)
+        if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except MilesError as exc:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from miles import interrupts
 from miles.agentic.metrics import agentic_metrics
+from miles.distill import distill_advantages
 from miles.errors import DataError, RunError
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt, PromptSource
@@ -46,7 +47,11 @@ class Components:
     kl_reward_coef: float = 0.0  # KL to the reference policy as a per-sequence reward penalty
     kl_estimator: str = "k3"
     release_memory: bool = False  # engines free their memory while the trainer trains (a colocated trainer)
+    teacher: Any = None  # miles.distill.Teacher: on-policy distillation's per-token advantages
     router_stats_seen: dict[str, int] = field(default_factory=dict)
+    # run.save_rollouts: called with each step's training samples before they train (miles.rollouts_io)
+    save_rollouts: Callable[[int, list[Sample]], None] | None = None
+    rollout_only: bool = False  # run.rollout_only: generate, score and select; train and push nothing
 
 
 def check_failures(step: int, samples: list[Sample], max_failed_frac: float) -> int:
@@ -125,16 +130,20 @@ def push_weights(c: Components, step: int, backend: Any = None) -> None:
 
 
 def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[str, float],
-                 push: Callable[[], None]) -> None:
+                 push: Callable[[], None]) -> bool:
     """Train on ``groups`` (advantages, the loss, one optimizer step) and ``push`` the new weights; adds the
-    training side of the step's metrics to ``metrics``. Nothing trained, nothing pushed."""
+    training side of the step's metrics to ``metrics``. Nothing trained (or ``rollout_only``), nothing pushed;
+    returns whether it pushed."""
     train_samples = [s for g in groups for s in g.trainable_samples]
     if c.mask_off_policy:
         for sample in train_samples:
             sample.mask_off_policy()
-    train_s = sync_s = logprob_s = 0.0
-    if train_samples:
-        train_start = time.perf_counter()
+    if c.save_rollouts is not None:  # before training: a step that fails to train is kept to replay
+        c.save_rollouts(step, train_samples)
+    train_s = sync_s = logprob_s = advantage_s = 0.0
+    trains = bool(train_samples) and not c.rollout_only
+    if trains:
+        logprob_start = time.perf_counter()  # the forward passes before the update: reference, values, teacher
         batch = TrainBatch.from_samples(train_samples, c.pad_token_id)
         if c.kl_reward_coef:
             kl = kl_estimate(batch.rollout_logprobs, c.backend.ref_logprobs(batch), c.kl_estimator) * batch.loss_mask
@@ -142,11 +151,19 @@ def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[st
             metrics["rollout/kl_penalty_mean"] = float(batch.kl_penalty.sum(dim=1).mean())
         if getattr(c.advantage_fn, "needs_values", False):
             batch.values = c.backend.compute_values(batch)
+        teacher_logprobs = c.teacher.logprobs(batch) if c.teacher is not None else None
+        advantage_start = time.perf_counter()
+        logprob_s = advantage_start - logprob_start
         batch.advantages = c.advantage_fn(batch)
+        if teacher_logprobs is not None:  # on-policy distillation: the teacher's per-token reverse KL
+            batch.advantages, distilled = distill_advantages(batch, teacher_logprobs, c.teacher.kl_coef,
+                                                             c.teacher.reward_coef)
+            metrics.update(distilled)
         metrics["train/nonzero_adv_frac"] = float((batch.advantages.abs().sum(dim=1) > 0).float().mean())
-        logprob_s = time.perf_counter() - train_start  # forward passes before the update: reference, values
+        train_start = time.perf_counter()
+        advantage_s = train_start - advantage_start
         metrics.update(c.backend.train_step(batch, c.loss_fn))
-        train_s = time.perf_counter() - train_start - logprob_s
+        train_s = time.perf_counter() - train_start
         sync_start = time.perf_counter()
         push()
         sync_s = time.perf_counter() - sync_start
@@ -156,7 +173,9 @@ def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[st
     metrics["train/samples"] = len(train_samples)
     metrics["time/train_s"] = train_s
     metrics["time/logprob_s"] = logprob_s
+    metrics["time/advantage_s"] = advantage_s
     metrics["time/weight_sync_s"] = sync_s
+    return trains
 
 
 def finish_step(c: Components, metrics: dict[str, float], start: float) -> dict[str, float]:

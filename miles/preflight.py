@@ -19,12 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from miles.checkpoint import Checkpoint, check_compatible, model_signature, newest_intact_checkpoint
+from miles.config.schema import EvalDatasetConfig, EvalSamplingConfig
 from miles.config.validate import component_node, split_node
+from miles.distill import check_teacher
 from miles.errors import ConfigError, DataError
+from miles.evaluation import EvalSet, read_eval_sets
 from miles.models import build_model_dir, load_tokenizer
 from miles.rollout.data_source import Prompt, encode_rows, read_rows
 
-__all__ = ["Staged", "preflight"]
+__all__ = ["Staged", "preflight", "eval_inputs"]
 
 
 @dataclass
@@ -40,6 +43,7 @@ class Staged:
     resume_from: Checkpoint | None
     ray_num_cpus: int | None  # CPUs for a local Ray instance, when the run uses Ray
     data_stats: dict[str, int] = field(default_factory=dict)
+    eval_sets: list[EvalSet] = field(default_factory=list)  # the eval section's datasets, read
     _staged_model: bool = False
 
     def commit(self, overwrite: bool) -> None:
@@ -181,10 +185,36 @@ def _check_routing(config: Any, model_path: str) -> None:
                               f"(model.build.arch: qwen3_moe)")
 
 
+def _check_lora(p: Any, model_path: str) -> None:
+    """``backend.lora``: its target_modules fit the model (built on the meta device), and with ``sync: adapters``
+    the engines can take adapter payloads (the embedded engine; not SGLang servers) and keep their base weights."""
+    from miles.train.lora import check_targets, parse_lora
+
+    try:
+        options = parse_lora(component_node(p.config.backend).get("lora"))
+    except ValueError:
+        return  # the backend's constructor has reported it
+    if options is None:
+        return
+    check_targets(model_path, options)
+    if options.sync != "adapters":
+        return
+    engine_args, extra = split_node(p.config.rollout.engine, "rollout.engine")
+    engine = p.registry.get("rollout_engine", engine_args["name"]).obj
+    if not getattr(engine, "accepts_lora_adapters", False):
+        raise ConfigError(f"backend.lora.sync: adapters needs engines that merge LoRA adapters into the base weights "
+                          f"they keep (the embedded engine 'local'); rollout.engine {engine_args['name']!r} cannot "
+                          f"take them (SGLang servers load full weights): use backend.lora.sync=merged")
+    if extra["release_memory_during_train"]:
+        raise ConfigError("backend.lora.sync: adapters merges into base weights the engine keeps, and "
+                          "rollout.engine.release_memory_during_train gives them back during training: use "
+                          "backend.lora.sync=merged, or keep the engine's memory")
+
+
 def _ray_reservation(config: Any, backend: Any) -> tuple[int, float]:
     """(engine actors, logical CPUs for training) that the run reserves on Ray; (0, 0) when it uses no Ray."""
     _, extra = split_node(config.rollout.engine, "rollout.engine")
-    engines = extra.get("num_engines", 0)
+    engines = 0 if config.cluster.local_mode else extra.get("num_engines", 0)  # local_mode: the engine in process
     if getattr(backend, "uses_ray", False):
         return engines, float(getattr(backend, "ray_cpus", config.cluster.train_cpus))
     return engines, config.cluster.train_cpus if engines > 0 else 0.0
@@ -241,6 +271,27 @@ def _check_traces(prompts: list[Prompt], tokenizer: Any, key: str, path: str, co
                             f"{context}")
 
 
+def eval_inputs(p: Any, model_path: str) -> tuple[Any, list[EvalSet]]:
+    """What ``miles eval`` needs: the model's tokenizer and the eval section's datasets (generated data is made in
+    a folder removed afterwards). Without ``eval.datasets``, one dataset ``heldout``: the first ``run.eval_size``
+    prompts of the held-out data, greedy, solved at ``run.eval_pass_reward`` (the figure ``miles train`` reports)."""
+    if not (Path(model_path) / "config.json").is_file():
+        raise ConfigError(f"--model {model_path!r} is not an HF model directory (no config.json there)")
+    config = p.config
+    if not config.eval.datasets:
+        config = config.copy()
+        config.eval.datasets = [EvalDatasetConfig(name="heldout", max_prompts=config.run.eval_size,
+                                                  pass_reward=config.run.eval_pass_reward,
+                                                  sampling=EvalSamplingConfig(temperature=0.0))]
+    staging = Path(tempfile.mkdtemp(prefix="miles-eval-"))
+    try:
+        _, eval_path = _stage_data(p, staging)
+        tokenizer = load_tokenizer(model_path)
+        return tokenizer, read_eval_sets(config, tokenizer, eval_path, context_length(model_path))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
     """Check everything that can be checked without training; build what must be built, outside run.dir."""
     config, run_cfg = p.config, p.config.run
@@ -260,6 +311,8 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
         train_prompts = encode_rows(read_rows(train_path, data_cfg.prompt_key, label_key), tokenizer,
                                     label_key=data_cfg.label_key, **encode)
         _check_routing(config, model_path)
+        check_teacher(config.distill, model_path)
+        _check_lora(p, model_path)
         context, room = context_length(model_path), int(config.rollout.sampling.max_new_tokens)
         policy = data_cfg.overlong_prompts
         train_prompts, dropped = _fit_context(train_prompts, train_path, room, context, policy)
@@ -275,9 +328,10 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
             if count:
                 print(f"data: dropped {count} prompt(s) of {path} longer than the context of {context} tokens less "
                       f"max_new_tokens={room} (data.overlong_prompts=drop)", file=sys.stderr)
+        eval_sets = read_eval_sets(config, tokenizer, eval_path, context) if run_cfg.steps > 0 else []
         resume_from = _resume_checkpoint(run_dir, p, model_path, stack) if run_cfg.resume else None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Staged(run_dir, staging, model_path, tokenizer, train_prompts, eval_prompts, resume_from, ray_num_cpus,
-                  {"data/dropped_prompts": dropped, "data/dropped_eval_prompts": dropped_eval}, staged_model)
+                  {"data/dropped_prompts": dropped, "data/dropped_eval_prompts": dropped_eval}, eval_sets, staged_model)

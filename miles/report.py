@@ -86,6 +86,12 @@ def _draw_reward(ax: Any, metrics: Metrics, summary: dict[str, Any]) -> None:
             steps, values = [0, *steps], [float(start[key]), *values]
         if steps:
             ax.plot(steps, values, marker="o", markersize=4, color=f"C{i + 1}", label=f"{label} ({key})")
+    # The eval section's datasets (eval/<name>/mean@n, pass@k), logged before the first step too.
+    datasets = sorted(k for k in metrics.keys if k.startswith("eval/") and k.count("/") == 2
+                      and k.rsplit("/", 1)[1].startswith(("mean@", "pass@")))
+    for i, key in enumerate(datasets, start=len(_EVAL_REWARDS) + 1):
+        steps, values = metrics.series(key)
+        ax.plot(steps, values, marker="s", markersize=3, linestyle="--", color=f"C{i % 10}", label=key)
     ax.set_ylabel("reward")
 
 
@@ -132,7 +138,7 @@ def _simple(key: str, ylabel: str, *more: str) -> Callable[[Any, Metrics, dict[s
 
 
 PLOTS: list[Plot] = [
-    Plot("reward", "Reward: training samples and greedy evaluation", _needs("reward/mean", "eval/reward_mean"),
+    Plot("reward", "Reward: training samples and evaluations", _needs("reward/mean", "eval/reward_mean"),
          _draw_reward),
     Plot("response_length", "Response length", _needs("response/length_mean"),
          _simple("response/length_mean", "tokens")),

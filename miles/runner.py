@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -31,12 +31,15 @@ from miles.config import load_config, validate_config
 from miles.config.algorithms import apply_estimator_defaults
 from miles.config.validate import component_node, resolve_tool, split_node
 from miles.agentic.remote import RemoteSandbox
+from miles.distill import make_teacher
 from miles.errors import RunError
+from miles.evaluation import evaluate_sets
 from miles.loop import Components, evaluate, sft_step
 from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
-from miles.preflight import batch_arithmetic, context_length, preflight
+from miles.preflight import batch_arithmetic, context_length, eval_inputs, preflight
 from miles.progress import progress
+from miles.rollouts_io import RolloutWriter
 from miles.rollout.collect import GroupCollector
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt, PromptSource
@@ -46,7 +49,7 @@ from miles.schedules import make_schedule, stream_settings
 from miles.train.regularizers import regularized
 from miles.train.torch_backend import rng_state, set_rng_state
 
-__all__ = ["Prepared", "prepare", "train", "plugin_stack"]
+__all__ = ["Prepared", "prepare", "train", "evaluate_model", "plugin_stack"]
 
 
 class Prepared:
@@ -56,7 +59,9 @@ class Prepared:
     def build(self, kind: str, key: str) -> Any:
         args, extra = split_node(OmegaConf.select(self.config, key), key)
         component = self.registry.build(kind, args, key)
-        if "timeout_s" in extra:  # the stage that calls it keeps to the limit (rollout.fn, reward)
+        # the stage that calls it keeps to the limit (rollout.fn, reward); cluster.local_mode sets none, so that a
+        # plain reward runs on the main thread (not a watchdog's) and a breakpoint does not time the sample out
+        if "timeout_s" in extra and not self.config.cluster.local_mode:
             component = with_time_limit(component, extra["timeout_s"])
         return component
 
@@ -96,13 +101,16 @@ def _summary_text(summary: dict[str, Any]) -> str:
             f"  train reward (mean of first/last {summary['reward_window']} steps): "
             f"{summary['reward_start']:.3f} -> {summary['reward_end']:.3f}"
         )
-    if "eval_start" in summary:
-        start, end = summary["eval_start"], summary["eval_end"]
+    start, end = summary.get("eval_start") or {}, summary.get("eval_end") or {}
+    if "eval/accuracy" in start and "eval/accuracy" in end:
         lines.append(
             f"  greedy accuracy on {summary['eval_prompts']} held-out prompts: "
             f"{start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f}; on {summary['eval_train_prompts']} "
             f"training prompts: {start['eval/accuracy_train']:.3f} -> {end['eval/accuracy_train']:.3f}"
         )
+    for key in sorted(k for k in end if k.startswith("eval/") and k.rsplit("/", 1)[1].startswith(("mean@", "pass@"))):
+        before = f"{start[key]:.3f} -> " if key in start else ""
+        lines.append(f"  {key}: {before}{end[key]:.3f}")
     lines.append("  time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary["time_s"].items()))
     lines.append(f"  final model: {summary['final_model']}")
     return "\n".join(lines)
@@ -121,6 +129,7 @@ class _Run:
     train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
     loggers: list[Any]
+    eval_sets: list[Any]  # miles.evaluation.EvalSet: the eval section's datasets
     closing: ExitStack
     cluster: Any = None  # miles.cluster.RayCluster, when engines or the backend run on Ray
     ray_num_cpus: int | None = None  # CPUs of a local Ray instance (see miles.preflight)
@@ -181,6 +190,11 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
     p = run.p
     engine_args, extra = split_node(p.config.rollout.engine, "rollout.engine")
     num_engines = extra.get("num_engines", 0)
+    if p.config.cluster.local_mode:
+        instead = f"; one in-process engine instead of rollout.engine.num_engines={num_engines}" if num_engines else ""
+        print(f"cluster.local_mode: every plane in this process, rollouts on the main thread, no time limits on "
+              f"rollout.fn and reward{instead}", file=sys.stderr)
+        num_engines = 0
     if num_engines == 0:
         engine = p.registry.build("rollout_engine", engine_args, "rollout.engine")
         streaming = p.config.run.schedule != "sync"
@@ -280,6 +294,46 @@ def _engine_rng(plane: RolloutPlane) -> list[Any]:
     return [engine.rng_state() for engine in plane.local_engines]
 
 
+def _rl_backend(run: _Run, model_path: str, remote: bool) -> Any:
+    """The policy's backend, set up from ``model_path``; with engines over HTTP (``remote``), an actor."""
+    config = run.p.config
+    backend = run.build_backend()
+    # On Ray, the synchronous loop's training plane is an actor too. A streaming schedule trains here, beside the
+    # rollout loop's thread: measured on the quickstart, 50 ms a step against 65 ms through an actor.
+    if remote and not getattr(backend, "uses_ray", False) and config.run.schedule == "sync":
+        from miles.train.ray_backend import launch_backend
+
+        backend = launch_backend(run.cluster.ray, backend, cpus=config.cluster.train_cpus,
+                                 startup_timeout_s=config.cluster.engine_startup_timeout_s,
+                                 resources=OmegaConf.to_container(config.cluster.train_resources))
+    run.closing.callback(backend.shutdown)
+    _setup_rl_backend(run.p, backend, model_path, run.seed)
+    return backend
+
+
+def _setup_rl_backend(p: Prepared, backend: Any, model_path: str, seed: int) -> None:
+    """Load the policy (and the reference and value models the config needs) from ``model_path``."""
+    reg = p.config.regularization
+    estimator = p.registry.get("advantage", component_node(p.config.advantage)["name"]).obj
+    backend.setup(model_path, seed=seed, total_steps=p.config.run.steps,
+                  **({"ref_model_path": model_path} if reg.kl_coef > 0 else {}),
+                  # A value model starts from the policy's checkpoint with a new scalar head.
+                  **({"critic_model_path": model_path} if getattr(estimator, "needs_values", False) else {}))
+
+
+def _training_parts(p: Prepared) -> dict[str, Any]:
+    """The training side of :class:`~miles.loop.Components`: advantage, loss with its regularizers, KL penalty."""
+    config, reg = p.config, p.config.regularization
+    return dict(
+        mask_off_policy=config.rollout.mask_off_policy,
+        advantage_fn=p.build("advantage", "advantage"),
+        loss_fn=regularized(p.build("loss", "loss"), kl_coef=reg.kl_coef if reg.kl_in == "loss" else 0.0,
+                            kl_estimator=reg.kl_estimator, entropy_coef=reg.entropy_coef),
+        kl_reward_coef=reg.kl_coef if reg.kl_in == "reward" else 0.0,
+        kl_estimator=reg.kl_estimator,
+    )
+
+
 def _rl_phase(run: _Run, model_path: str) -> str:
     """RL steps with evaluations before and after, checkpoints every ``run.save_every`` steps;
     returns the exported final policy."""
@@ -290,22 +344,7 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         run.closing.callback(transport.close)
     plane = _rollout_plane(run, model_path, transport)
     run.closing.callback(plane.close)
-    backend = run.build_backend()
-    # On Ray, the synchronous loop's training plane is an actor too. A streaming schedule trains here, beside the
-    # rollout loop's thread: measured on the quickstart, 50 ms a step against 65 ms through an actor.
-    if plane.remote and not getattr(backend, "uses_ray", False) and config.run.schedule == "sync":
-        from miles.train.ray_backend import launch_backend
-
-        backend = launch_backend(run.cluster.ray, backend, cpus=config.cluster.train_cpus,
-                                 startup_timeout_s=config.cluster.engine_startup_timeout_s,
-                                 resources=OmegaConf.to_container(config.cluster.train_resources))
-    run.closing.callback(backend.shutdown)
-    reg = config.regularization
-    estimator = p.registry.get("advantage", component_node(config.advantage)["name"]).obj
-    backend.setup(model_path, seed=run.seed, total_steps=run_cfg.steps,
-                  **({"ref_model_path": model_path} if reg.kl_coef > 0 else {}),
-                  # A value model starts from the policy's checkpoint with a new scalar head.
-                  **({"critic_model_path": model_path} if getattr(estimator, "needs_values", False) else {}))
+    backend = None if run_cfg.rollout_only else _rl_backend(run, model_path, remote=plane.remote)
     sampling = OmegaConf.to_container(config.rollout.sampling)
     agentic = _agentic_parts(run, model_path, plane)
     c = Components(
@@ -320,20 +359,19 @@ def _rl_phase(run: _Run, model_path: str) -> str:
             [(component_node(n)["name"], p.registry.build("data_selector", component_node(n), f"selection[{i}]"))
              for i, n in enumerate(config.selection)], config.rollout.prompts_per_step, config.rollout.n_samples,
             partial_rollout=config.rollout.partial_rollout),
-        mask_off_policy=config.rollout.mask_off_policy,
-        advantage_fn=p.build("advantage", "advantage"),
-        loss_fn=regularized(p.build("loss", "loss"), kl_coef=reg.kl_coef if reg.kl_in == "loss" else 0.0,
-                            kl_estimator=reg.kl_estimator, entropy_coef=reg.entropy_coef),
-        kl_reward_coef=reg.kl_coef if reg.kl_in == "reward" else 0.0,
-        kl_estimator=reg.kl_estimator,
+        **_training_parts(p),
         backend=backend,
         transport=transport,
         pad_token_id=run.pad_token_id,
         prompts_per_step=config.rollout.prompts_per_step,
         n_samples=config.rollout.n_samples,
         max_failed_frac=run_cfg.max_failed_frac,
-        release_memory=bool(split_node(config.rollout.engine, "rollout.engine")[1]["release_memory_during_train"]),
+        release_memory=bool(split_node(config.rollout.engine, "rollout.engine")[1]["release_memory_during_train"])
+        and not run_cfg.rollout_only,
+        save_rollouts=RolloutWriter(run.run_dir, model_path, run.pad_token_id) if run_cfg.save_rollouts else None,
+        rollout_only=run_cfg.rollout_only,
     )
+    c.teacher = make_teacher(config.distill, p, model_path, run.closing)  # on-policy distillation
     aclose = getattr(getattr(c.rollout_fn, "func", c.rollout_fn), "aclose", None)
     if aclose is not None:  # e.g. the envs of multi-turn trajectories waiting to be continued
         run.closing.callback(lambda: plane.run(aclose()))
@@ -361,13 +399,23 @@ def _rl_phase(run: _Run, model_path: str) -> str:
             logger.rewind(first_step)  # drop what an interrupted run logged after its last checkpoint
     run.timed("setup", start)
 
-    def run_eval() -> dict[str, float]:
+    sampled = replace(greedy, sampling_params=sampling)  # each eval dataset sets its own sampling parameters
+
+    def run_eval(greedy_accuracy: bool = True, datasets: bool = True) -> dict[str, float]:
+        """The greedy accuracy on run.eval_size held-out and training prompts, and the eval section's datasets."""
         eval_start = time.perf_counter()
-        args = (c.rollout_fn, greedy, c.reward_fn, run_cfg.eval_pass_reward)
-        result = evaluate(run.eval_prompts, *args)
-        result.update({f"{k}_train": v for k, v in evaluate(train_eval_prompts, *args).items()})
+        result: dict[str, float] = {}
+        if greedy_accuracy and run.eval_prompts:
+            args = (c.rollout_fn, greedy, c.reward_fn, run_cfg.eval_pass_reward)
+            result.update(evaluate(run.eval_prompts, *args))
+            result.update({f"{k}_train": v for k, v in evaluate(train_eval_prompts, *args).items()})
+        if datasets and run.eval_sets:
+            result.update(evaluate_sets(run.eval_sets, c.rollout_fn, sampled, c.reward_fn))
         run.timed("eval", eval_start)
         return result
+
+    def eval_due(step: int, every: int) -> bool:
+        return bool(every) and (step + 1) % every == 0 and step + 1 < run_cfg.steps
 
     architecture = model_signature(run.base_model)
 
@@ -383,9 +431,13 @@ def _rl_phase(run: _Run, model_path: str) -> str:
         p.pm.hook.miles_checkpoint_save(path=str(path), step=steps_done)
         run.timed("checkpoint", save_start)
 
-    if run.eval_prompts and first_step == 0:
+    if (run.eval_prompts or run.eval_sets) and first_step == 0:
         run.summary.update(eval_start=run_eval(), eval_prompts=len(run.eval_prompts),
                            eval_train_prompts=len(train_eval_prompts))
+        if run.eval_sets:  # the datasets' curves start before the first step
+            for logger in run.loggers:
+                names = tuple(f"eval/{es.name}/" for es in run.eval_sets)
+                logger.log(0, {k: v for k, v in run.summary["eval_start"].items() if k.startswith(names)})
     schedule = make_schedule(run_cfg.schedule, c, stream_settings(config), version=plane.weight_version)
     run.closing.callback(schedule.close)  # before the envs, sandboxes and engines it uses are closed
     with progress(run_cfg.steps, config.advantage.name, run_cfg.progress) as bar:
@@ -394,10 +446,11 @@ def _rl_phase(run: _Run, model_path: str) -> str:
             step_start = time.perf_counter()
             metrics = schedule.step(step)
             run.timed("rl", step_start)
-            last = step + 1 == run_cfg.steps
-            if run.eval_prompts and run_cfg.eval_every and (step + 1) % run_cfg.eval_every == 0 and not last:
+            greedy_due = bool(run.eval_prompts) and eval_due(step, run_cfg.eval_every)
+            sets_due = bool(run.eval_sets) and eval_due(step, config.eval.every)
+            if greedy_due or sets_due:
                 schedule.settle()  # the engines hold this step's weights
-                metrics.update(run_eval())
+                metrics.update(run_eval(greedy_due, sets_due))
             p.pm.hook.miles_train_step_end(step=step, metrics=metrics)
             for logger in run.loggers:
                 logger.log(step, metrics)
@@ -410,18 +463,52 @@ def _rl_phase(run: _Run, model_path: str) -> str:
             bar.set_postfix(**reward, step_s=f"{step_s:.2f}", refresh=False)
             bar.update()
     schedule.close()  # what the stream generated past the last step is not trained
-    if run.eval_prompts:
+    if run.eval_prompts or run.eval_sets:
         run.summary["eval_end"] = run_eval()
         for logger in run.loggers:
             logger.log(run_cfg.steps, run.summary["eval_end"])
     window = max(1, min(10, len(rewards) // 5))
     if rewards:
         run.summary.update(reward_window=window, reward_start=fmean(rewards[:window]), reward_end=fmean(rewards[-window:]))
+    if backend is None:  # run.rollout_only: the policy is still the start model
+        return model_path
     out = str(run.run_dir / "final_model")
     backend.save_pretrained(out, run.tokenizer, {"phase": "rl", "step": run_cfg.steps, "plugins": run.stack})
     backend.shutdown()
     p.pm.hook.miles_checkpoint_save(path=out, step=run_cfg.steps)
     return out
+
+
+def evaluate_model(p: Prepared, model_dir: str) -> dict[str, float]:
+    """``miles eval``: the eval section's datasets (see :func:`miles.preflight.eval_inputs`) on the model in
+    ``model_dir``, with the config's engine, rollout function, env and reward; nothing is trained or written."""
+    config = p.config
+    tokenizer, sets = eval_inputs(p, model_dir)
+    with ExitStack() as closing, tempfile.TemporaryDirectory(prefix="miles-eval-") as scratch:
+        run = _Run(p, Path(scratch) / "eval", int(config.run.seed), plugin_stack(p.pm, p.registry), tokenizer,
+                   pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                   train_prompts=[], eval_prompts=[], loggers=[], eval_sets=sets, closing=closing)
+        run.run_dir.mkdir()
+        plane = _rollout_plane(run, model_dir, p.build("weight_transport", "rollout.weight_sync"))
+        closing.callback(plane.close)
+        ctx = RolloutContext(engine=plane.client, tokenizer=tokenizer, run=plane.run,
+                             sampling_params=OmegaConf.to_container(config.rollout.sampling),
+                             **_agentic_parts(run, model_dir, plane))
+        rollout_fn = p.build("rollout_fn", "rollout.fn")
+        aclose = getattr(getattr(rollout_fn, "func", rollout_fn), "aclose", None)
+        if aclose is not None:
+            closing.callback(lambda: plane.run(aclose()))
+        return evaluate_sets(sets, rollout_fn, ctx, p.build("reward", "reward"))
+
+
+def start_loggers(p: Prepared, run_dir: Path, closing: ExitStack) -> list[Any]:
+    """The loggers of ``run.loggers``, started on ``run_dir``; ``closing`` closes them."""
+    loggers = [p.registry.build("logger", component_node(node), f"run.loggers[{i}]")
+               for i, node in enumerate(p.config.run.loggers)]
+    for logger in loggers:
+        logger.start(str(run_dir), p.config)
+        closing.callback(logger.close)
+    return loggers
 
 
 def train(p: Prepared) -> dict[str, Any]:
@@ -443,15 +530,12 @@ def train(p: Prepared) -> dict[str, Any]:
     p.pm.hook.miles_run_start(run_dir=str(run_dir), config=config, plugins=stack)
 
     with ExitStack() as closing:
-        loggers = [p.registry.build("logger", component_node(node), f"run.loggers[{i}]")
-                   for i, node in enumerate(run_cfg.loggers)]
-        for logger in loggers:
-            logger.start(str(run_dir), config)
-            closing.callback(logger.close)
+        loggers = start_loggers(p, run_dir, closing)
         run = _Run(
             p, run_dir, seed, stack, tokenizer,
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             train_prompts=staged.train_prompts, eval_prompts=staged.eval_prompts, loggers=loggers, closing=closing,
+            eval_sets=staged.eval_sets,
             ray_num_cpus=staged.ray_num_cpus,
             summary={"run_dir": str(run_dir), "plugins": stack, **{k: v for k, v in staged.data_stats.items() if v}},
         )

@@ -313,9 +313,8 @@ class StreamSchedule:
         failed = check_failures(step, samples, c.max_failed_frac)
         c.pm.hook.miles_rollout_end(step=step, groups=groups)
         metrics: dict[str, float] = {}
-        train_groups(c, step, groups, metrics, lambda: self._update(step))
-        if not any(g.trainable_samples for g in groups):  # nothing trained, nothing pushed: the batch is done
-            c.plane.run(stream.release(stream.version))
+        if not train_groups(c, step, groups, metrics, lambda: self._update(step)):
+            c.plane.run(stream.release(stream.version))  # nothing trained, nothing pushed: the batch is done
         prefill_before, self.prefill_seen = self.prefill_seen, prefill_now()
         metrics = {**rollout_metrics(c, Collected(groups, samples, stream_metrics), rollout_s, prefill_before, failed,
                                      prefill_after=self.prefill_seen), **metrics}

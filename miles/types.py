@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from miles.moe import NO_EXPERT, compact, decode_routed_experts, expand
+
 __all__ = ["SampleStatus", "Sample", "Group", "TrainBatch", "LossInputs", "Reward"]
 
 Reward = float | dict[str, float]
@@ -101,7 +103,6 @@ class Sample:
         data = meta.get("routed_experts")
         if data is None:
             return
-        from miles.moe import NO_EXPERT, compact, decode_routed_experts, expand
 
         fed = input_len + max(int(meta.get("completion_tokens", 0)), 1) - 1
         new = decode_routed_experts(data, fed)
@@ -246,7 +247,6 @@ def _routed_experts(samples: list[Sample], width: int) -> torch.Tensor | None:
     recorded = [s.routed_experts for s in samples if s.routed_experts is not None]
     if not recorded:
         return None
-    from miles.moe import expand
 
     out = torch.full((len(samples), width, recorded[0].shape[1]), -1, dtype=torch.int16)
     for row, s in enumerate(samples):

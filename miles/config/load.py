@@ -5,13 +5,14 @@ Every unknown key and wrong type is collected and reported at once.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from miles.config.schema import COMPONENT_NODES, structured_defaults
@@ -78,11 +79,14 @@ def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix, node)]
 
 
-def _describe(exc: OmegaConfBaseException, key: str, value: Any, source: str, schema: DictConfig) -> str:
+def _describe(exc: OmegaConfBaseException, key: str, value: Any, source: str, schema: DictConfig,
+              prefix: str = "") -> str:
+    """``prefix``: where ``schema`` sits in the whole config, for a section of a list (``eval.datasets[0]``)."""
+    shown = f"{prefix}.{key}" if prefix else key
     if isinstance(exc, ConfigKeyError):
         # Walk down to the first part of the key that the schema does not have.
         node: Any = schema
-        path: list[str] = []
+        path: list[str] = [prefix] if prefix else []
         for part in key.split("."):
             if not isinstance(node, DictConfig) or part not in node:
                 break
@@ -92,12 +96,39 @@ def _describe(exc: OmegaConfBaseException, key: str, value: Any, source: str, sc
         close = difflib.get_close_matches(part, known, n=1)
         hint = f"; did you mean {'.'.join(path + [close[0]])!r}?" if close else ""
         section = ".".join(path) or "the top level"
-        return f"unknown config key {key!r} (in {source}); the keys of {section} are: {', '.join(known)}{hint}"
+        return f"unknown config key {shown!r} (in {source}); the keys of {section} are: {', '.join(known)}{hint}"
     if isinstance(exc, ValidationError):
         default = OmegaConf.select(schema, key, throw_on_missing=False)
         expected = type(default).__name__ if default is not None else "the declared type"
-        return f"config key {key!r} (in {source}) expects {expected}, got {value!r} ({type(value).__name__})"
-    return f"config key {key!r} (in {source}): {exc}"
+        return f"config key {shown!r} (in {source}) expects {expected}, got {value!r} ({type(value).__name__})"
+    return f"config key {shown!r} (in {source}): {exc}"
+
+
+def _list_problems(key: str, value: Any, source: str, schema: DictConfig) -> list[str]:
+    """A list of sections (``eval.datasets``): each element checked against its section's schema, the
+    problems named by index (``eval.datasets[1].n``)."""
+    try:
+        node = OmegaConf.select(schema, key, throw_on_missing=False) if key else None
+    except OmegaConfBaseException:  # a mapping where the schema has a list (eval.datasets.a): said by the merge
+        return []
+    element = getattr(getattr(node, "_metadata", None), "element_type", None) if isinstance(node, ListConfig) else None
+    if element is None or not dataclasses.is_dataclass(element):
+        return []
+    if not isinstance(value, list):
+        return [f"config key {key!r} (in {source}) expects a list of {element.__name__} sections, got {value!r}"]
+    problems = []
+    for i, item in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(item, dict):
+            problems.append(f"config key {where!r} (in {source}) expects a mapping, got {item!r} ({type(item).__name__})")
+            continue
+        section = OmegaConf.structured(element)
+        for leaf, leaf_value in _leaves(item):
+            try:
+                section.merge_with(_nest(leaf, leaf_value))
+            except OmegaConfBaseException as exc:
+                problems.append(_describe(exc, leaf, leaf_value, source, OmegaConf.structured(element), where))
+    return problems
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictConfig:
@@ -117,6 +148,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictC
         if source == "overrides":
             _reset_renamed_components(merged, leaves)
         for key, value in leaves:
+            if element_problems := _list_problems(key, value, source, schema):
+                problems.extend(element_problems)
+                continue
             try:
                 merged.merge_with(_nest(key, value))
             except OmegaConfBaseException as exc:

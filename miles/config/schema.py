@@ -133,6 +133,9 @@ class RunConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept (0 keeps all)
     resume: bool = False  # continue from the newest complete checkpoint under <dir>/checkpoints, if any
     overwrite: bool = False  # replace what an earlier run left in <dir> (without it, a non-empty <dir> is refused)
+    # write every step's training samples to <dir>/rollouts/step_NNNNNN.npz (token-exact): `miles replay` trains on them
+    save_rollouts: bool = False
+    rollout_only: bool = False  # generate, score and select every step; no training, no weight push (debug rollouts)
     loggers: Any = field(default_factory=lambda: [{"name": "jsonl"}])
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
@@ -167,6 +170,46 @@ class ClusterConfig:
     train_resources: Dict[str, float] = field(default_factory=dict)
     engine_startup_timeout_s: float = 120.0
     router: RouterConfig = field(default_factory=RouterConfig)
+    # every plane in this process, rollouts on its main thread, no time limits: debugger breakpoints work in
+    # rollout functions, rewards and losses (an in-process engine even with rollout.engine.num_engines > 0)
+    local_mode: bool = False
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (docs/distillation.md): a teacher scores the student's samples token by token."""
+
+    teacher: Optional[str] = None  # the teacher: an HF directory, served by an in-process engine of its own
+    teacher_url: Optional[str] = None  # or an SGLang-compatible server already serving it (SGLang, miles engine serve)
+    kl_coef: float = 1.0  # weight of the per-token reverse KL (log p_student - log p_teacher) in the advantages
+    reward_coef: float = 0.0  # weight of the advantage estimator's (reward) advantages; 0: distillation alone
+
+
+@dataclass
+class EvalSamplingConfig:
+    """What an evaluation set changes of ``rollout.sampling``; null keeps the training value."""
+
+    max_new_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+
+
+@dataclass
+class EvalDatasetConfig:
+    name: str = "heldout"  # metrics are eval/<name>/...
+    path: Optional[str] = None  # JSONL or Parquet; null: data.eval_path (or the data generator's eval split)
+    max_prompts: int = 0  # the first this many rows; 0: all
+    n: int = 1  # samples per prompt
+    k: list[int] = field(default_factory=lambda: [1])  # eval/<name>/pass@k for each k (each at most n)
+    pass_reward: float = 1.0  # a sample counts as correct at this reward or above
+    sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # evaluate the datasets every k RL steps too (0: only before the first and after the last)
+    datasets: list[EvalDatasetConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -181,7 +224,9 @@ class MilesConfig:
     selection: Any = field(default_factory=list)
     backend: Any = _component("torch")
     regularization: RegularizationConfig = field(default_factory=RegularizationConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 

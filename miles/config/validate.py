@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,6 +64,47 @@ def _resource_problems(cluster: Any) -> list[str]:
                                 f"`ray start --resources`); CPUs are cluster.cpus_per_engine / cluster.train_cpus")
             elif not amount > 0:
                 problems.append(f"cluster.{key}.{name}: expected a positive amount, got {amount!r}")
+    return problems
+
+
+def _distill_problems(distill: Any) -> list[str]:
+    problems = []
+    if distill.teacher and distill.teacher_url:
+        problems.append("distill: set distill.teacher (an HF directory served in process) or distill.teacher_url "
+                        "(a server already serving the teacher), not both")
+    for key in ("kl_coef", "reward_coef"):
+        if not distill[key] >= 0:
+            problems.append(f"distill.{key}: expected a number >= 0, got {distill[key]!r}")
+    if (distill.teacher or distill.teacher_url) and not problems and not (distill.kl_coef or distill.reward_coef):
+        problems.append("distill: kl_coef and reward_coef are both 0, so nothing would be learned; set kl_coef > 0")
+    return problems
+
+
+def _eval_problems(eval_cfg: Any) -> list[str]:
+    """``eval``: each dataset's name unique and usable in a metric name, n >= 1, every k in 1..n, sampling in range."""
+    problems = [] if eval_cfg.every >= 0 else [f"eval.every: expected a whole number >= 0, got {eval_cfg.every!r}"]
+    seen: set[str] = set()
+    sampling_ranges = {key.removeprefix("rollout.sampling."): (ok, expected) for key, ok, expected in _RANGES
+                       if key.startswith("rollout.sampling.")}
+    for i, ds in enumerate(eval_cfg.datasets):
+        where = f"eval.datasets[{i}]"
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", ds.name or ""):
+            problems.append(f"{where}.name: expected letters, digits, '_', '.' or '-' (it names the metrics "
+                            f"eval/<name>/...), got {ds.name!r}")
+        elif ds.name in seen:
+            problems.append(f"{where}.name: {ds.name!r} names two datasets; each needs a name of its own")
+        seen.add(ds.name)
+        if ds.n < 1:
+            problems.append(f"{where}.n: expected a whole number >= 1 (samples per prompt), got {ds.n!r}")
+        elif not ds.k or any(not 1 <= k <= ds.n for k in ds.k):
+            problems.append(f"{where}.k: expected a list of whole numbers from 1 to n={ds.n} (pass@k needs k <= n "
+                            f"samples per prompt), got {list(ds.k)!r}")
+        if ds.max_prompts < 0:
+            problems.append(f"{where}.max_prompts: expected a whole number >= 0 (0: all), got {ds.max_prompts!r}")
+        for key, (ok, expected) in sampling_ranges.items():
+            value = ds.sampling[key]
+            if value is not None and not ok(value):
+                problems.append(f"{where}.sampling.{key}: expected {expected}, got {value!r}")
     return problems
 
 
@@ -188,6 +230,41 @@ def _schedule_problems(config: DictConfig) -> list[str]:
     return problems
 
 
+def _debug_problems(config: DictConfig, registry: Registry) -> list[str]:
+    """``run.rollout_only`` trains nothing (so has nothing to checkpoint or resume); ``cluster.local_mode`` runs
+    every plane in this process, one step after the other."""
+    problems, run_cfg = [], config.run
+    if run_cfg.rollout_only and run_cfg.save_every:
+        problems.append(f"run.save_every: run.rollout_only trains nothing, so there is nothing to checkpoint; "
+                        f"set run.save_every=0 (got {run_cfg.save_every})")
+    if run_cfg.rollout_only and run_cfg.resume:
+        problems.append("run.resume: run.rollout_only starts from the start model and trains nothing; it continues "
+                        "no checkpoint (run.resume=false)")
+    if not config.cluster.local_mode:
+        return problems
+    if config.cluster.address:
+        problems.append(f"cluster.address: cluster.local_mode runs every plane in this process and joins no Ray "
+                        f"cluster; unset one of them (got address {config.cluster.address!r})")
+    if run_cfg.schedule != "sync":
+        problems.append(f"run.schedule: cluster.local_mode runs rollouts on the main thread, then trains, so it needs "
+                        f"run.schedule sync (got {run_cfg.schedule})")
+    engine, extra = split_node(config.rollout.engine, "rollout.engine")
+    from miles.rollout.engine_launcher import is_server_launcher
+
+    if is_server_launcher(registry.get("rollout_engine", engine["name"]).obj):
+        problems.append(f"rollout.engine: engine {engine['name']!r} runs as a server of its own and cannot run in "
+                        f"this process (cluster.local_mode); use rollout.engine.name=local")
+    if extra["release_memory_during_train"]:
+        problems.append("rollout.engine.release_memory_during_train: cluster.local_mode runs the engine in this "
+                        "process, where it keeps its memory; set it to false")
+    backend = component_node(config.backend)
+    if getattr(registry.get("backend", backend["name"]).obj, "uses_ray", False):
+        problems.append(f"backend: {backend['name']!r} trains in Ray worker processes (backend.world_size="
+                        f"{backend.get('world_size', 1)}) and cannot run in this process (cluster.local_mode); use "
+                        f"backend.name=torch")
+    return problems
+
+
 def resolve_tool(registry: Registry, name: Any, where: str) -> Any:
     """The :class:`miles.Tool` registered as ``name`` (or at an import path; a plain function becomes a Tool)."""
     from miles.agentic.types import Tool, tool
@@ -214,7 +291,7 @@ def validate_config(config: DictConfig, registry: Registry) -> None:
         value = OmegaConf.select(config, key)
         if not ok(value):
             problems.append(f"{key}: expected {expected}, got {value!r}")
-    problems += _resource_problems(config.cluster)
+    problems += _resource_problems(config.cluster) + _eval_problems(config.eval) + _distill_problems(config.distill)
     if config.model.path is None and config.model.tokenizer.kind != "char":
         problems.append(f"model.tokenizer.kind: only 'char' can be built locally, got {config.model.tokenizer.kind!r}")
     if config.data.train_path is None and config.data.generator is None:
@@ -223,5 +300,6 @@ def validate_config(config: DictConfig, registry: Registry) -> None:
         from miles.config.algorithms import conflicts
 
         problems += conflicts(config, registry) + _agentic_problems(config, registry) + _schedule_problems(config)
+        problems += _debug_problems(config, registry)
     if problems:
         raise ConfigError("Config is not well-formed, found the following errors:\n- " + "\n- ".join(problems))

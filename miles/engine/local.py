@@ -18,6 +18,7 @@ import torch
 from miles.engine.batcher import ContinuousBatcher, Request
 from miles.engine.sampling import SamplingParams
 from miles.models import load_model, load_tokenizer
+from miles.weights.lora import adapter_layers, adapter_problems, is_adapter_payload, merged_weight
 
 __all__ = ["LocalEngine", "MEMORY_TAGS"]
 
@@ -26,6 +27,9 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names; the CPU e
 
 class LocalEngine:
     """Registered as rollout engine ``local``."""
+
+    # Takes LoRA adapter payloads (miles.weights.lora) in update_weights and merges them into its base weights
+    accepts_lora_adapters = True
 
     def __init__(self, max_batch_size: int = 1024, seed: int = 0, background: bool = False,
                  prefix_cache_tokens: int = 32768, device: str = "cpu", dtype: str = "float32") -> None:
@@ -52,6 +56,8 @@ class LocalEngine:
         self.released: set[str] = set()  # memory given back (release_memory): "weights", "kv_cache"
         self.weights_stale = False  # weights resumed after a release hold nothing until an update
         self._released_shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []
+        # base weights of the layers an adapter payload has been merged into (copied before the first merge)
+        self._lora_base: dict[str, torch.Tensor] = {}
         self.batcher: ContinuousBatcher | None = None
         self._turn: list[Request] = []
         self._outbox_lock = threading.Lock()
@@ -69,6 +75,7 @@ class LocalEngine:
         if dtype == "auto":
             dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
         self.model = load_model(path, dtype=getattr(torch, dtype)).to(device).eval()
+        self._lora_base = {}
         self.model.requires_grad_(False)
         self.tokenizer = load_tokenizer(path)
         self.context_length = int(self.model.config.max_position_embeddings)
@@ -101,6 +108,8 @@ class LocalEngine:
             raise ValueError("the engine's weights are released (release_memory_occupation); resume them "
                              "(resume_memory_occupation) before an update")
         current = self.model.state_dict()
+        if is_adapter_payload(state_dict):
+            return self._update_adapters(current, state_dict, weight_version, allow_non_finite)
         problems = _weight_problems(current, state_dict, allow_non_finite)
         if problems:
             raise ValueError(f"weight update refused, nothing was applied (the old weights keep serving): "
@@ -108,9 +117,39 @@ class LocalEngine:
         with self.batcher.step_lock, torch.no_grad():
             for name, tensor in state_dict.items():
                 current[name].copy_(tensor)
+            self._lora_base = {}  # full weights are the new base
             self.batcher.clear_prefix_cache()  # K/V of the old weights
             self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
             self.weights_stale = False
+        return self.weight_version
+
+    def _update_adapters(self, current: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor],
+                         weight_version: int | None, allow_non_finite: bool) -> int:
+        """An adapter payload: every adapted layer becomes its base weight + ``scaling * B @ A``; a layer adapted
+        before and not in this payload goes back to its base weight. The base is what the engine held before its
+        first adapter update (the loaded model, or the last full update)."""
+        if self.weights_stale:
+            raise ValueError("weight update refused: an adapter update merges into the base weights, which the "
+                             "engine gave back (release_memory_occupation); push full weights first")
+        base = {name: self._lora_base.get(name, current.get(name)) for name in current}
+        problems = adapter_problems({k: v for k, v in base.items() if v is not None}, adapters, allow_non_finite)
+        if problems:
+            raise ValueError(f"adapter update refused, nothing was applied (the old weights keep serving): "
+                             f"{'; '.join(problems)}")
+        layers = [layer + ".weight" for layer in adapter_layers(adapters)]
+        with self.batcher.step_lock, torch.no_grad():
+            for name in layers:
+                if name not in self._lora_base:
+                    self._lora_base[name] = current[name].detach().clone()
+            for name, weight in self._lora_base.items():
+                if name in layers:
+                    layer = name[: -len(".weight")]
+                    merged_weight(weight, adapters[layer + ".lora_A.weight"], adapters[layer + ".lora_B.weight"],
+                                  adapters[layer + ".lora_scaling"], out=current[name])
+                else:
+                    current[name].copy_(weight)
+            self.batcher.clear_prefix_cache()  # K/V of the old weights
+            self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         return self.weight_version
 
     def release_memory(self, tags: list[str] | None = None) -> None:
@@ -127,6 +166,7 @@ class LocalEngine:
             if "weights" in tags and "weights" not in self.released:
                 # tied parameters are one object: released once; the shapes come back with resume_memory
                 self._released_shapes = [(param, param.shape) for param in self.model.parameters()]
+                self._lora_base = {}  # given back too: after a resume, full weights come first
                 for param, _ in self._released_shapes:
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             self.released |= tags

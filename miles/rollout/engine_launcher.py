@@ -224,6 +224,7 @@ class MilesServerLauncher(SubprocessLauncher):
     isolated from the actor, and the same process handling as an SGLang server."""
 
     name = "miles engine serve"
+    accepts_lora_adapters = True  # the embedded engine: it merges adapter payloads (backend.lora.sync: adapters)
 
     def __init__(self, seed: int = 0, extra_args: list[str] | None = None, *, startup_timeout_s: float | None = None,
                  stop_timeout_s: float = 10.0, log_dir: str | None = None) -> None:

@@ -23,6 +23,10 @@ and ``miles.testing``. It covers:
   :class:`TorchKernel`, :func:`select_kernel` (a name to the kernel for a device, in the calling process) and
   :func:`check_kernel_name` (a backend constructor refuses an unknown ``backend.logprob_kernel``);
 - HF models: :func:`load_model`, :func:`load_critic`, :func:`save_pretrained`, :func:`save_state_dict`;
+- LoRA (``backend.lora``, ``TrainOptions.lora`` is a :class:`LoraOptions`): :func:`apply_lora` (before sharding),
+  :func:`check_lora_targets` (a config error before workers start), :func:`export_lora_weights` (what weight sync
+  sends), :func:`merged_weights` (for ``save_pretrained``), :func:`adapter_state` / :func:`load_adapter_state`
+  (checkpoints);
 - errors: :class:`ConfigError` (bad backend arguments, exit code 2), :class:`RunError`.
 
 The conformance suite is ``miles.testing.BackendConformance``; docs/backends.md shows a backend
@@ -34,6 +38,9 @@ from miles.errors import ConfigError, RunError
 from miles.models import load_critic, load_model, save_pretrained, save_state_dict
 from miles.train.backend import LossFn, TrainBackend
 from miles.train.batching import balanced_partition, micro_batch_indices, normalizers, plan_batch, plan_step
+from miles.train.lora import LoraOptions, adapter_state, apply_lora, load_adapter_state, merged_weights
+from miles.train.lora import check_targets as check_lora_targets
+from miles.train.lora import export_weights as export_lora_weights
 from miles.train.kernels import LogprobKernel, TorchKernel, check_kernel_name, select_kernel
 from miles.train.logprobs import token_logprobs
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
@@ -50,5 +57,7 @@ __all__ = [
     "token_logprobs", "value_loss",
     "LogprobKernel", "TorchKernel", "select_kernel", "check_kernel_name",
     "load_model", "load_critic", "save_pretrained", "save_state_dict",
+    "LoraOptions", "apply_lora", "check_lora_targets", "export_lora_weights", "merged_weights", "adapter_state",
+    "load_adapter_state",
     "ConfigError", "RunError",
 ]

@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from miles.train.lora import parse_lora, require_peft
+
 __all__ = ["TrainOptions", "takes_train_options", "resolve_device", "autocast_dtype"]
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -54,6 +56,9 @@ class TrainOptions:
     # and add router_aux_loss_coef x the router's load-balancing loss to the policy loss (0: off)
     routing_replay: bool = False
     router_aux_loss_coef: float = 0.0
+    # LoRA through peft: {rank, alpha, target_modules, dropout, sync}; only the adapters train (null: off).
+    # Read as miles.train.lora.LoraOptions; docs/lora.md
+    lora: Optional[dict] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -84,8 +89,14 @@ class TrainOptions:
             problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"device must be auto, cpu or cuda, got {self.device!r}")
+        try:
+            object.__setattr__(self, "lora", parse_lora(self.lora))
+        except ValueError as exc:
+            problems.append(str(exc))
         if problems:
             raise ValueError("; ".join(problems))
+        if self.lora is not None:
+            require_peft()  # a ConfigError naming the extra to install
 
     def lr_factor(self, step: int, total_steps: int | None) -> float:
         """The multiplier of ``lr`` for optimizer step ``step`` (0-based) of ``total_steps``."""

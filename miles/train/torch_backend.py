@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from miles.builtin.losses import value_loss
-from miles.models import load_critic, load_model, save_pretrained
+from miles.errors import ConfigError
+from miles.models import load_critic, load_model, save_pretrained, save_state_dict
 from miles.train.backend import LossFn
 from miles.train.batching import normalizers, plan_batch
+from miles.train import lora
 from miles.train.kernels import check_kernel_name, select_kernel
 from miles.train.logprobs import token_logprobs
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
@@ -67,8 +69,9 @@ class Policy:
         self.autocast = autocast_dtype(options, device)
         # The chunked log-prob path's kernel, chosen in this process (a worker's plugins, its device).
         self.logprob_kernel = select_kernel(options.logprob_kernel, device) if options.logprob_chunk_tokens else None
+        # only what trains (with LoRA: the adapters) has optimizer state
         self.optimizer = optimizer or torch.optim.AdamW(
-            model.parameters(), lr=options.lr, betas=(options.beta1, options.beta2), weight_decay=options.weight_decay)
+            [p for p in model.parameters() if p.requires_grad], lr=options.lr, betas=(options.beta1, options.beta2), weight_decay=options.weight_decay)
         total = None if total_steps is None else total_steps * options.mini_batches * options.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: options.lr_factor(k, total))
 
@@ -322,7 +325,11 @@ class TorchBackend:
               total_steps: int | None = None, critic_model_path: str | None = None) -> None:
         torch.manual_seed(seed)
         device = resolve_device(self.options)
-        model = load_model(model_path).to(device).train()
+        model = load_model(model_path)
+        if self.options.lora is not None:  # adapters initialised from the seeded RNG, before the move
+            lora.apply_lora(model, self.options.lora)
+        model = model.to(device).train()
+        self._model_path = model_path
         ref = None if ref_model_path is None else load_model(ref_model_path).to(device).eval().requires_grad_(False)
         critic = None if critic_model_path is None else load_critic(critic_model_path).to(device).train()
         self.policy = Policy(model, self.options, device, ref, total_steps, self.build_optimizer(model), critic)
@@ -351,14 +358,25 @@ class TorchBackend:
         return assemble_rows(batch, micros, self.policy.values(batch, micros))
 
     def export_weights(self) -> dict[str, torch.Tensor]:
+        if self.options.lora is not None:  # merged full weights, or only the adapters (backend.lora.sync)
+            return lora.export_weights(self.model, self.options.lora)
         return {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
 
     def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
+        if self.options.lora is not None:  # plain HF weights with the adapters merged in
+            save_state_dict(lora.merged_weights(self.model), self._model_path, path, tokenizer, metadata)
+            return
         save_pretrained(self.model, tokenizer, path, metadata)
 
     def save_checkpoint(self, path: str) -> None:
         path_ = Path(path)
-        save_pretrained(self.model, None, path_ / "model")
+        if self.options.lora is not None:  # the adapters only: the base is the model the run set up from
+            from safetensors.torch import save_file
+
+            (path_ / "model").mkdir(parents=True, exist_ok=True)
+            save_file(lora.adapter_state(self.model.state_dict()), path_ / "model" / "adapters.safetensors")
+        else:
+            save_pretrained(self.model, None, path_ / "model")
         critic = {} if self.policy.critic is None else {"critic": self.policy.critic.state_dict()}
         torch.save({**self.policy.state_dict(), **critic, "rng": rng_state()}, path_ / "trainer.pt")
 
@@ -366,6 +384,16 @@ class TorchBackend:
         from safetensors.torch import load_file
 
         path_ = Path(path)
+        adapters = path_ / "model" / "adapters.safetensors"
+        if adapters.is_file() != (self.options.lora is not None):
+            held = "LoRA adapters" if adapters.is_file() else "full weights"
+            raise ConfigError(f"run.resume: checkpoint {path} holds {held} but this run "
+                              f"{'has no' if self.options.lora is None else 'has'} backend.lora; resume with the "
+                              f"backend the checkpoint was saved with")
+        if adapters.is_file():
+            lora.load_adapter_state(self.model, load_file(adapters), f"checkpoint {path}")
+            self._load_trainer_state(path_)
+            return
         weights = {}
         for file in sorted((path_ / "model").glob("*.safetensors")):
             weights.update(load_file(file))
@@ -374,6 +402,9 @@ class TorchBackend:
         if unexpected or set(missing) - tied:
             raise ValueError(f"checkpoint {path}: weights do not fit the model (missing {sorted(set(missing) - tied)}, "
                              f"unexpected {sorted(unexpected)})")
+        self._load_trainer_state(path_)
+
+    def _load_trainer_state(self, path_: Path) -> None:
         state = torch.load(path_ / "trainer.pt", weights_only=False)
         if self.policy.critic is not None:
             self.policy.critic.load_state_dict(state["critic"])

@@ -17,6 +17,7 @@ from miles.train.api import (
     TrainOptions,
     assemble_rows,
     check_kernel_name,
+    check_lora_targets,
     combine_metrics,
     normalizers,
     plan_batch,
@@ -60,6 +61,8 @@ class FSDP2Backend(RayWorkersBackend):
               total_steps: int | None = None, critic_model_path: str | None = None) -> None:
         from miles_fsdp2.worker import FSDPWorker
 
+        if self.options.lora is not None:  # target_modules that fit no layer: a config error before workers start
+            check_lora_targets(model_path, self.options.lora)
         threads = max(1, int(self.cpus_per_worker))
         self.group.start(FSDPWorker, self.options.device, self.ray_resources,
                          lambda rank: (rank, self.world_size, self.options, threads))
@@ -104,10 +107,10 @@ class FSDP2Backend(RayWorkersBackend):
         return self._per_row("values", batch)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return self._all("full_weights")[0]
+        return self._all("full_weights")[0]  # with LoRA: merged, or the adapters only (backend.lora.sync)
 
     def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
-        save_state_dict(self.export_weights(), self._model_path, path, tokenizer, metadata)
+        save_state_dict(self._all("full_weights", True)[0], self._model_path, path, tokenizer, metadata)
 
     def save_checkpoint(self, path: str) -> None:
         self._all("save_checkpoint", path)

@@ -25,11 +25,17 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
 from miles.train.api import (
+    ConfigError,
     Policy,
     TrainBatch,
     TrainOptions,
+    adapter_state,
+    apply_lora,
+    export_lora_weights,
+    load_adapter_state,
     load_critic,
     load_model,
+    merged_weights,
     resolve_device,
     rng_state,
     set_rng_state,
@@ -86,7 +92,10 @@ class FSDPWorker:
                                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
         mesh = init_device_mesh(device.type, (self.world_size,))
         torch.manual_seed(seed)
-        model = shard(load_model(model_path).to(device), mesh).train()
+        model = load_model(model_path)
+        if self.options.lora is not None:  # adapters before sharding: FSDP2 shards frozen and trained parameters alike
+            apply_lora(model, self.options.lora)
+        model = shard(model.to(device), mesh).train()
         ref = None
         if ref_model_path is not None:
             ref = shard(load_model(ref_model_path).to(device).requires_grad_(False), mesh).eval()
@@ -106,14 +115,24 @@ class FSDPWorker:
     def values(self, batch: TrainBatch, micros: list[list[int]]) -> list[torch.Tensor]:
         return self.policy.values(batch, micros)
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """All-gathers the full weights; only rank 0 returns them (others return an empty dict)."""
+    def full_weights(self, merged: bool = False) -> dict[str, torch.Tensor]:
+        """All-gathers the full weights; only rank 0 returns them (others return an empty dict). With LoRA: what
+        weight sync sends (``backend.lora.sync``), or with ``merged`` the merged weights (for save_pretrained)."""
+        lora = self.options.lora
+        if lora is not None and lora.sync == "adapters" and not merged:
+            state = {name: (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().cpu()
+                     for name, param in self.policy.model.named_parameters() if param.requires_grad}
+            return export_lora_weights(self.policy.model, lora, state) if self.rank == 0 else {}
         weights = get_model_state_dict(self.policy.model, options=_FULL)
-        return weights if self.rank == 0 else {}
+        if self.rank != 0:
+            return {}
+        return weights if lora is None else merged_weights(self.policy.model, weights)
 
     def save_checkpoint(self, path: str) -> None:
         policy = self.policy
         model, optimizer = get_state_dict(policy.model, policy.optimizer, options=_FULL)
+        if self.options.lora is not None:  # the adapters only: the base is the model the run set up from
+            model = adapter_state(model)
         full = {"model": model, "optimizer": optimizer, "world_size": self.world_size}
         if policy.critic is not None:
             full["critic"], full["critic_optimizer"] = get_state_dict(policy.critic, policy.critic_optimizer, options=_FULL)
@@ -125,9 +144,20 @@ class FSDPWorker:
     def load_checkpoint(self, path: str) -> None:
         # Every rank reads the full state and keeps its shard (checkpoints live where all workers see them).
         full = torch.load(Path(path) / "state.pt", weights_only=False)
+        if any(".lora_A." in name for name in full["model"]) != (self.options.lora is not None):
+            saved = "with" if self.options.lora is None else "without"
+            raise ConfigError(f"run.resume: checkpoint {path} was saved {saved} backend.lora and this run is not; "
+                              f"resume with the backend it was saved with")
         options = StateDictOptions(full_state_dict=True)
-        set_state_dict(self.policy.model, self.policy.optimizer, model_state_dict=full["model"],
-                       optim_state_dict=full["optimizer"], options=options)
+        if self.options.lora is not None:
+            def load(adapters: dict[str, torch.Tensor]) -> None:
+                set_state_dict(self.policy.model, self.policy.optimizer, model_state_dict=dict(adapters),
+                               optim_state_dict=full["optimizer"],
+                               options=StateDictOptions(full_state_dict=True, strict=False))
+            load_adapter_state(self.policy.model, full["model"], f"checkpoint {path}", load)
+        else:
+            set_state_dict(self.policy.model, self.policy.optimizer, model_state_dict=full["model"],
+                           optim_state_dict=full["optimizer"], options=options)
         if self.policy.critic is not None:
             set_state_dict(self.policy.critic, self.policy.critic_optimizer, model_state_dict=full["critic"],
                            optim_state_dict=full["critic_optimizer"], options=options)

@@ -86,6 +86,9 @@ class MegatronBackend(RayWorkersBackend):
             raise ConfigError(f"backend.{key}={getattr(self.options, key)!r}: routing replay and the router's aux loss "
                               f"are not wired into the megatron backend yet (megatron-core routes inside its own MoE "
                               f"layer); use backend torch or fsdp2 for them (docs/moe.md)")
+        if self.options.lora is not None:
+            raise ConfigError("backend.lora: LoRA (through peft, on HF modules) is not wired into the megatron backend "
+                              "(megatron-core's own layers); use backend torch or fsdp2 for it (docs/lora.md)")
         self.world_size, self.cpus_per_worker = world_size, cpus_per_worker
         self.sizes = Parallel(tp=tensor_parallel, pp=pipeline_parallel, cp=context_parallel, ep=expert_parallel)
         self.sequence_packing = sequence_packing

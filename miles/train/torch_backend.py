@@ -83,11 +83,16 @@ class Policy:
             return token_logprobs(model, micro.input_ids.to(self.device), chunk_tokens=self.options.logprob_chunk_tokens,
                                   kernel=self.logprob_kernel, **kwargs)
 
-    def _routing(self, micro: TrainBatch, keep_logits: bool = False) -> Any:
-        """A forward pass of an MoE model records its routing and, with ``routing_replay``, follows the engine's."""
+    def _routing(self, model: torch.nn.Module, micro: TrainBatch, record: bool = False) -> Any:
+        """The routing of one forward of ``model`` (the policy or the reference model, the same architecture) over
+        ``micro``: with ``routing_replay``, the engine's experts where the samples have them; ``record`` keeps the
+        policy's choices and router logits (the load-balancing loss and the routing metrics)."""
         if self.moe is None:
             return contextlib.nullcontext()
-        return routing(self.model, replay=self._replay(micro), keep_logits=keep_logits, layout=self.moe)
+        if model is not self.model and self._ref_moe is None:
+            self._ref_moe = moe_layout(model)
+        return routing(model, replay=self._replay(micro), record=record, keep_logits=record,
+                       layout=self.moe if model is self.model else self._ref_moe)
 
     def _replay(self, micro: TrainBatch) -> torch.Tensor | None:
         if not self.options.routing_replay:
@@ -98,13 +103,8 @@ class Policy:
         return micro.routed_experts.to(self.device)
 
     def _routed_forward(self, model: torch.nn.Module, micro: TrainBatch, **kwargs: Any):
-        """``_forward`` with routing replay, for the policy and the reference model (the same architecture)."""
-        if self.moe is None:
-            return self._forward(model, micro, **kwargs)
-        if model is not self.model and self._ref_moe is None:
-            self._ref_moe = moe_layout(model)
-        with routing(model, replay=self._replay(micro), record=False,
-                     layout=self.moe if model is self.model else self._ref_moe):
+        """``_forward`` within ``_routing`` (no record): log-probs of the policy or the reference model."""
+        with self._routing(model, micro):
             return self._forward(model, micro, **kwargs)
 
     def _moe_metrics(self, record: Any, micro: TrainBatch, weight: float) -> tuple[torch.Tensor, dict[str, float]]:
@@ -212,7 +212,7 @@ class Policy:
             totals: dict[str, float] = defaultdict(float, critic_totals)
             for m, rows in enumerate(micros):
                 micro = self._micro(batch, rows)
-                with self._routing(micro, keep_logits=True) as record:
+                with self._routing(self.model, micro, record=True) as record:
                     logprobs, entropy = self._forward(self.model, micro, with_entropy=True,
                                                       entropy_grad=needs_entropy_grad)
                 if not rows:

@@ -2,8 +2,9 @@
 
 The CLI's handlers raise in the main thread so that the run unwinds (engines, Ray and workers shut down).
 A signal that arrives while the main thread runs a weakref callback or a ``__del__`` has its exception
-printed and dropped ("Exception ignored in ..."), and the run would go on. So the handler also records the
-signal, and the loops call :func:`check` once per step: it raises again what was dropped.
+dropped ("Exception ignored in ...", printed with a traceback), and the run would go on. So the handler also
+records the signal, the loops call :func:`check` once per step, which raises again what was dropped, and
+Python's report of the dropped interruption is left out (it is not an error: the run stops as asked).
 
 Coroutines the main thread runs go through :func:`run`: there a signal cancels the coroutine's task instead
 of raising inside whatever the loop was doing (a subprocess being spawned, the selector), so every
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -41,12 +43,21 @@ def _on_signal(signum: int, frame: object) -> None:
     _raise(signum)
 
 
+def _unraisable(report: Any) -> None:
+    """Python's report of an exception it had to drop: silent for an interruption of ours (recorded, and raised
+    again by :func:`check` or :func:`run`), the default report for anything else."""
+    if isinstance(report.exc_value, KeyboardInterrupt) and _pending is not None:
+        return
+    sys.__unraisablehook__(report)
+
+
 def handle() -> None:
     """Take SIGINT and SIGTERM in this (main) thread from now on."""
     global _pending
     _pending = None
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    sys.unraisablehook = _unraisable
 
 
 def check() -> None:

@@ -5,6 +5,7 @@ import asyncio
 import os
 import random
 import signal
+import sys
 import threading
 
 import pytest
@@ -14,10 +15,13 @@ from miles import interrupts
 
 @pytest.fixture
 def handled():
+    hook = sys.unraisablehook
+    sys.unraisablehook = sys.__unraisablehook__  # Python's own, as the CLI has it (pytest's collects warnings)
     interrupts.handle()
     yield
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.unraisablehook = hook
 
 
 def _signal_when(ready: threading.Event, signum: int, delay_s: float = 0.0) -> threading.Thread:
@@ -99,3 +103,27 @@ def test_a_coroutine_that_finishes_normally_returns_its_value_and_handlers_are_r
     assert interrupts.run(answer()) == 42
     assert signal.getsignal(signal.SIGINT) is interrupts._on_signal
     assert signal.getsignal(signal.SIGTERM) is interrupts._on_signal
+
+
+def test_an_interruption_python_drops_is_not_reported_but_raised_at_the_next_check(handled, capsys):
+    """A signal in a ``__del__`` (or a weakref callback): Python drops the KeyboardInterrupt and would print
+    "Exception ignored ... Traceback"; nothing is printed, the next check raises it. Other dropped exceptions
+    are still reported."""
+
+    class Dying:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10_000):  # the Python-level handler runs in here
+                pass
+
+    class Failing:
+        def __del__(self):
+            raise ValueError("a real error in a destructor")
+
+    Dying()
+    assert capsys.readouterr().err == ""
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.check()
+    Failing()
+    err = capsys.readouterr().err
+    assert "Exception ignored" in err and "a real error in a destructor" in err

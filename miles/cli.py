@@ -19,8 +19,8 @@ __all__ = ["main"]
 def _cmd_train(args: argparse.Namespace) -> int:
     from miles.runner import prepare, train
 
-    interrupts.handle()
-    train(prepare(args.config, args.overrides))
+    with interrupts.handling():
+        train(prepare(args.config, args.overrides))
     return 0
 
 
@@ -28,8 +28,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     """The eval section's datasets on a trained model: one line per metric, or JSON."""
     from miles.runner import evaluate_model, prepare
 
-    interrupts.handle()
-    metrics = evaluate_model(prepare(args.config, args.overrides), args.model)
+    with interrupts.handling():
+        metrics = evaluate_model(prepare(args.config, args.overrides), args.model)
     if args.json:
         print(json.dumps(metrics, indent=1))
     else:
@@ -85,8 +85,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from miles.replay import replay
 
-    interrupts.handle()
-    replay(args.run_dir, args.overrides, out=args.out, steps=args.steps, overwrite=args.overwrite)
+    with interrupts.handling():
+        replay(args.run_dir, args.overrides, out=args.out, steps=args.steps, overwrite=args.overwrite)
     return 0
 
 
@@ -120,9 +120,9 @@ def _cmd_session_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port}: expected a port number in [0, 65535] (0: any free port)")
     parser = Registry.from_plugin_manager(build_plugin_manager()).get("tool_parser", args.tool_parser,
                                                                       where="--tool-parser").obj()
-    interrupts.handle()
     try:
-        serve(args.model, host=args.host, port=args.port, tool_parser=parser, seed=args.seed)
+        with interrupts.handling():
+            serve(args.model, host=args.host, port=args.port, tool_parser=parser, seed=args.seed)
     except ValueError as exc:  # e.g. a tokenizer without a chat template
         raise ConfigError(str(exc)) from exc
     except OSError as exc:  # the address is taken, or not this machine's

@@ -15,13 +15,14 @@ A second signal while it unwinds raises at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["Terminated", "handle", "check", "run"]
+__all__ = ["Terminated", "handling", "check", "run"]
 
 T = TypeVar("T")
 
@@ -51,13 +52,25 @@ def _unraisable(report: Any) -> None:
     sys.__unraisablehook__(report)
 
 
-def handle() -> None:
-    """Take SIGINT and SIGTERM in this (main) thread from now on."""
+@contextlib.contextmanager
+def handling() -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM raise in this (main) thread (KeyboardInterrupt, :class:`Terminated`)
+    and coroutines run through :func:`run` are cancelled by them. After it, the handlers and the unraisable
+    hook are what they were, and nothing is left pending: the process (a notebook, a test session) can run
+    again without an interruption of the last run landing in the next."""
     global _pending
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook
     _pending = None
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     sys.unraisablehook = _unraisable
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        signal.signal(signal.SIGTERM, saved[1])
+        sys.unraisablehook = saved[2]
+        _pending = None
 
 
 def check() -> None:
@@ -69,7 +82,7 @@ def check() -> None:
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(coro)``, where SIGINT/SIGTERM (once :func:`handle` took them) cancel the coroutine and the
+    """``asyncio.run(coro)``, where SIGINT/SIGTERM (within :func:`handling`) cancel the coroutine and the
     interruption is raised after it has unwound. Elsewhere (another thread, no handler) plain ``asyncio.run``."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not _on_signal:
         return asyncio.run(coro)

@@ -94,12 +94,8 @@ def test_a_signal_swallowed_in_a_destructor_stops_the_run_at_the_next_step():
             for _ in range(10_000):  # the Python-level handler runs in here; its exception goes nowhere
                 pass
 
-    interrupts.handle()
-    try:
+    with interrupts.handling():
         Dying()
         with pytest.raises(interrupts.Terminated):
             interrupts.check()
         interrupts.check()  # raised once only
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -14,14 +14,10 @@ from miles import interrupts
 
 
 @pytest.fixture
-def handled():
-    hook = sys.unraisablehook
-    sys.unraisablehook = sys.__unraisablehook__  # Python's own, as the CLI has it (pytest's collects warnings)
-    interrupts.handle()
-    yield
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.unraisablehook = hook
+def handled(monkeypatch):
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)  # Python's own, as the CLI has it
+    with interrupts.handling():
+        yield
 
 
 def _signal_when(ready: threading.Event, signum: int, delay_s: float = 0.0) -> threading.Thread:
@@ -127,3 +123,22 @@ def test_an_interruption_python_drops_is_not_reported_but_raised_at_the_next_che
     Failing()
     err = capsys.readouterr().err
     assert "Exception ignored" in err and "a real error in a destructor" in err
+
+
+def test_after_the_block_the_handlers_are_back_and_nothing_is_pending(monkeypatch):
+    """A process that runs again (a notebook, a test session) after an interrupted run: the last run's signal
+    is not raised in the next one, and SIGINT is Python's KeyboardInterrupt again."""
+    hook = sys.unraisablehook
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.handling():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10_000):
+                pass
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert sys.unraisablehook is hook
+    interrupts.check()  # nothing pending
+
+    async def answer():
+        return 7
+
+    assert interrupts.run(answer()) == 7

@@ -83,30 +83,34 @@ def check() -> None:
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(coro)``, where SIGINT/SIGTERM (within :func:`handling`) cancel the coroutine and the
-    interruption is raised after it has unwound. Elsewhere (another thread, no handler) plain ``asyncio.run``."""
+    interruption is raised after it has unwound. Elsewhere (another thread, no handler) plain ``asyncio.run``.
+
+    The loop takes the signals itself (``add_signal_handler``: the signal wakes its selector whichever thread
+    the kernel delivered it to, and the callback runs between two callbacks of the loop, never inside one)."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not _on_signal:
         return asyncio.run(coro)
     with asyncio.Runner() as runner:
         loop = runner.get_loop()
         task = loop.create_task(coro)
 
-        def on_signal(signum: int, frame: object) -> None:
+        def on_signal(signum: int) -> None:
             global _pending
             if _pending is not None or task.done():  # a second signal, or one after the work: raise now
-                _on_signal(signum, frame)
+                _pending = signum
+                _raise(signum)
             _pending = signum
             task.cancel()
-            loop.call_soon_threadsafe(lambda: None)  # wake the loop's selector
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, on_signal, signum)
         try:
             result = loop.run_until_complete(task)
         except asyncio.CancelledError:
             check()  # cancelled by a signal: raise its interruption instead
             raise
         finally:
-            signal.signal(signal.SIGTERM, _on_signal)
-            signal.signal(signal.SIGINT, _on_signal)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
+                signal.signal(signum, _on_signal)
         check()  # the task finished in spite of the cancel
         return result

@@ -20,11 +20,16 @@ def handled(monkeypatch):
         yield
 
 
-def _signal_when(ready: threading.Event, signum: int, delay_s: float = 0.0) -> threading.Thread:
+def _signal_when(ready: threading.Event, signum: int, delay_s: float = 0.0, to_this_thread: bool = False) -> threading.Thread:
+    """``to_this_thread``: the kernel hands the signal to the sending thread, not the main one (as it may in a
+    process with many threads: Ray's, gRPC's); only the loop's wakeup then tells the main thread."""
     def send():
         ready.wait()
         threading.Event().wait(delay_s)
-        os.kill(os.getpid(), signum)
+        if to_this_thread:
+            signal.pthread_kill(threading.get_ident(), signum)
+        else:
+            os.kill(os.getpid(), signum)
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
@@ -56,7 +61,8 @@ def test_a_signal_at_a_random_moment_of_spawning_subprocesses_unwinds_the_corout
     interrupts.check()  # nothing left pending
 
 
-def test_sigterm_raises_terminated_after_the_coroutine_unwound(handled):
+@pytest.mark.parametrize("to_this_thread", [False, True], ids=["to-the-process", "to-another-thread"])
+def test_sigterm_raises_terminated_after_the_coroutine_unwound(handled, to_this_thread):
     started, unwound = threading.Event(), []
 
     async def waiting():
@@ -66,14 +72,15 @@ def test_sigterm_raises_terminated_after_the_coroutine_unwound(handled):
         finally:
             unwound.append(True)
 
-    sender = _signal_when(started, signal.SIGTERM)
+    sender = _signal_when(started, signal.SIGTERM, to_this_thread=to_this_thread)
     with pytest.raises(interrupts.Terminated):
         interrupts.run(waiting())
     sender.join()
     assert unwound == [True]
 
 
-def test_a_second_signal_while_unwinding_raises_at_once(handled):
+@pytest.mark.parametrize("to_this_thread", [False, True], ids=["to-the-process", "to-another-thread"])
+def test_a_second_signal_while_unwinding_raises_at_once(handled, to_this_thread):
     """A ``finally`` that hangs does not hold the run: the second Ctrl-C raises without waiting for it."""
     started, unwinding = threading.Event(), threading.Event()
 
@@ -85,7 +92,8 @@ def test_a_second_signal_while_unwinding_raises_at_once(handled):
             unwinding.set()
             await asyncio.Event().wait()
 
-    first, second = _signal_when(started, signal.SIGINT), _signal_when(unwinding, signal.SIGINT)
+    first = _signal_when(started, signal.SIGINT, to_this_thread=to_this_thread)
+    second = _signal_when(unwinding, signal.SIGINT, to_this_thread=to_this_thread)
     with pytest.raises(KeyboardInterrupt):
         interrupts.run(stuck())
     first.join(), second.join()

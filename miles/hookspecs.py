@@ -169,6 +169,28 @@ def miles_register_tool_parsers(register: Register) -> None:
 
 
 @hookspec
+def miles_register_reasoning_parsers(register: Register) -> None:
+    """Register reasoning parsers, named by a chat format's ``reasoning_parser``.
+
+    The factory is called without arguments and returns an object whose ``split(text) ->
+    ReasoningSplit(reasoning, content)`` cuts one generated turn into its reasoning (None when it has
+    none) and the rest, both as the format's template renders them back.
+    """
+
+
+@hookspec
+def miles_register_chat_formats(register: Register) -> None:
+    """Register chat formats (:class:`miles.agentic.chat_format.ChatFormat` values), selected with
+    ``model.chat_format`` or detected from the tokenizer.
+
+    A format says how one model family talks: the tokens that end a policy turn and stop generation,
+    how a generated turn joins the next suffix, the tool-call id and argument forms, where reasoning
+    goes, its tool and reasoning parsers (registered names) and the training template to render with.
+    ``miles chat-format check`` proves a format token-exact on a scenario matrix.
+    """
+
+
+@hookspec
 def miles_register_backends(register: Register) -> None:
     """Register training backends, selected with ``backend.name``.
 

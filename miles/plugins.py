@@ -28,6 +28,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "miles.builtin.losses",
     "miles.builtin.selectors",
     "miles.builtin.rollout",
+    "miles.builtin.chat_formats",
     "miles.builtin.sandboxes",
     "miles.builtin.tools",
     "miles.builtin.engines",

@@ -38,6 +38,7 @@ class Kind:
     hook: str
     call_params: int | None
     per_use: bool = False  # built into a factory (the callable with its config arguments bound), called once per use
+    value: bool = False  # components are registered as ready values (a ChatFormat), not callables
 
     @property
     def plural(self) -> str:
@@ -58,6 +59,8 @@ KINDS: dict[str, Kind] = {
         Kind("sandbox", "miles_register_sandboxes", 0, per_use=True),
         Kind("tool", "miles_register_tools", None),
         Kind("tool_parser", "miles_register_tool_parsers", None),
+        Kind("reasoning_parser", "miles_register_reasoning_parsers", None),
+        Kind("chat_format", "miles_register_chat_formats", None, value=True),
         Kind("backend", "miles_register_backends", None),
         Kind("weight_transport", "miles_register_weight_transports", None),
         Kind("logprob_kernel", "miles_register_logprob_kernels", None),
@@ -146,7 +149,7 @@ class Registry:
                 f"plugin {plugin.name!r} registered a {kind} named {name!r}; names are letters, digits, "
                 f"'_', '.' and '-', starting with a letter or '_'"
             )
-        if not callable(obj):
+        if not callable(obj) and not KINDS[kind].value:
             raise PluginError(
                 f"plugin {plugin.name!r} registered {kind} {name!r} as a {type(obj).__name__}; "
                 f"expected a function or a class"
@@ -248,7 +251,7 @@ def _import_path(path: str, kind: str, where: str | None) -> Any:
         raise ConfigError(
             f"{where or kind}: cannot import {kind} {path!r}: {type(exc).__name__}: {exc}"
         ) from exc
-    if not callable(obj):
+    if not callable(obj) and not KINDS[kind].value:
         raise ConfigError(f"{where or kind}: {path!r} is a {type(obj).__name__}, expected a function or class")
     return obj
 

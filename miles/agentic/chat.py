@@ -1,34 +1,34 @@
-"""Token-exact chat turns: the tokens of new messages are the suffix between two renderings of the
-tokenizer's chat template, appended to the tokens the trajectory already holds.
+"""Token-exact chat turns: the tokens of new messages are the suffix between two renderings of the chat
+format's template, appended to the tokens the trajectory already holds.
 
 The policy's own turns are never re-rendered into tokens: the trajectory keeps the generated ids.
-The rendering of the conversation so far is only used to find where the new messages begin, right
-after the end-of-turn token that closed the policy's last turn. A template that changes what it
-rendered for earlier messages when new ones arrive (not append-only: e.g. one that strips reasoning
-from old turns, or closes a group of tool results only after the last one) is detected and reported,
-never silently re-tokenized.
+The rendering of the conversation so far only says where the new messages begin: right after the token
+that closed the policy's last turn in the rendered history (or, for a family whose generated stop token
+opens the next message, right after that token). A template that changes what it rendered for earlier
+messages up to that point when new ones arrive (not append-only) is detected and reported with the
+message and the first token that differs; what follows is ``rollout.tito.on_mismatch``'s choice.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from miles.agentic.chat_format import BoundFormat
 from miles.agentic.types import Message
 
-__all__ = ["Conversation", "NotAppendOnly", "end_of_turn", "normalize_messages"]
+__all__ = ["Conversation", "NotAppendOnly", "normalize_messages"]
 
 
 class NotAppendOnly(ValueError):
-    """The chat template rendered earlier messages differently once new ones were added."""
+    """The chat template rendered earlier messages differently once new ones were added.
 
+    ``message_index``: the first message whose rendering changed; ``token_index``: the first differing
+    token of the conversation's tokens; ``after``: the rendering with the new messages (for a re-render).
+    """
 
-def end_of_turn(tokenizer: Any) -> tuple[str, int]:
-    """The token that ends a turn: ``<|im_end|>`` when the tokenizer has it (ChatML), else EOS."""
-    for text in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
-        token_id = tokenizer.convert_tokens_to_ids(text)
-        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
-            return text, token_id
-    return tokenizer.eos_token, tokenizer.eos_token_id
+    def __init__(self, reason: str, *, message_index: int = -1, token_index: int = -1, after: str = "") -> None:
+        super().__init__(reason)
+        self.message_index, self.token_index, self.after = message_index, token_index, after
 
 
 def normalize_messages(observation: Any, role: str) -> list[Message]:
@@ -47,54 +47,102 @@ def normalize_messages(observation: Any, role: str) -> list[Message]:
 
 
 class Conversation:
-    """The messages of one trajectory and how they map to tokens.
+    """The messages of one trajectory and how they map to tokens, in one chat format.
 
     ``prompt_ids`` is the rendering of the first messages with the generation prompt. After each policy
-    turn, :meth:`add_policy_turn` records the message that the generated tokens stand for, and
-    :meth:`extend` returns the tokens of the next messages plus the next generation prompt.
+    turn, :meth:`add_policy_turn` records the message that the generated tokens stand for (and the last
+    generated token), and :meth:`extend` returns the tokens of the next messages plus the next generation
+    prompt.
     """
 
-    def __init__(self, tokenizer: Any, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> None:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("the tokenizer has no chat template; multi-turn rollouts render messages with one "
-                             "(set model.tokenizer.chat_template, e.g. chatml_tools, for a built tokenizer)")
-        self.tokenizer, self.tools = tokenizer, tools or None
+    def __init__(self, fmt: BoundFormat, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> None:
+        self.format, self.tokenizer, self.tools = fmt, fmt.tokenizer, tools or None
         self.messages: list[Message] = list(messages)
-        self.eot_text, self.eot_id = end_of_turn(tokenizer)
+        self.policy_turns = 0
+        self._last_token: int | None = None  # the last token the policy generated in its last turn
         self.prompt_ids = self.encode(self.render(self.messages, generation_prompt=True))
+
+    @property
+    def eot_id(self) -> int:
+        """The token that closes a policy turn in the rendered history (the format's first end-of-turn)."""
+        return self.tokenizer.convert_tokens_to_ids(self.format.format.end_of_turn[0])
 
     def render(self, messages: list[Message], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+                                                  add_generation_prompt=generation_prompt,
+                                                  chat_template=self.format.template, **self.format.template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def add_policy_turn(self, message: Message) -> None:
-        """Record the assistant message a generated turn stands for (its tokens stay as generated)."""
+    def add_policy_turn(self, message: Message, last_token_id: int | None = None) -> None:
+        """Record the assistant message a generated turn stands for (its tokens stay as generated);
+        ``last_token_id``: the turn's last generated token (its stop token, when it stopped at one)."""
         self.messages.append(message)
+        self.policy_turns += 1
+        self._last_token = last_token_id
+
+    def _boundary(self, before: str, after: str) -> tuple[int, int]:
+        """``(cut, start)``: the renderings must agree up to ``cut``; the new tokens start at ``start``."""
+        if not self.messages or self.messages[-1].get("role") != "assistant":
+            return len(before), len(before)
+        fmt = self.format
+        if self._last_token is not None and self._last_token in fmt.next_role_ids:
+            text = fmt.token_text(self._last_token)
+            if after.startswith(text, len(before)):
+                return len(before), len(before) + len(text)
+            return len(before), len(before)  # the suffix does not open with it: compared (and reported) as is
+        ends = [before.rfind(t) + len(t) for t in fmt.format.end_of_turn if before.rfind(t) >= 0]
+        cut = max(ends) if ends else len(before)
+        return cut, cut
 
     def extend(self, new_messages: list[Message], generation_prompt: bool = True) -> list[int]:
         """The tokens of ``new_messages`` (and the generation prompt), to follow the policy's last turn.
 
-        Raises :class:`NotAppendOnly` when the template renders the conversation so far differently once
-        ``new_messages`` follow it.
+        Raises :class:`NotAppendOnly` when the template renders the conversation so far differently (up
+        to the policy's end of turn) once ``new_messages`` follow it; the messages are then not added
+        (:meth:`resync` adds them).
         """
         before = self.render(self.messages, generation_prompt=False)
         after = self.render(self.messages + new_messages, generation_prompt=generation_prompt)
-        if not after.startswith(before):
-            at = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
-            raise NotAppendOnly(
-                f"the chat template is not append-only for this turn: adding {len(new_messages)} message(s) "
-                f"({', '.join(m['role'] for m in new_messages)}) changed the rendering of the earlier ones at "
-                f"character {at}: {before[max(0, at - 40):at + 40]!r} became {after[max(0, at - 40):at + 40]!r}"
-            )
-        # The new tokens start right after the end-of-turn token that closed the last policy turn (what the
-        # template puts after it, e.g. a newline, belongs to the new tokens: the policy never generated it).
-        start = len(before)
-        if self.messages and self.messages[-1].get("role") == "assistant":
-            end = before.rfind(self.eot_text)
-            if end >= 0:
-                start = end + len(self.eot_text)
+        cut, start = self._boundary(before, after)
+        if after[:cut] != before[:cut]:
+            raise self._mismatch(before[:cut], after, new_messages)
+        if (self._last_token is not None and self._last_token in self.format.next_role_ids and start == cut
+                and self.messages and self.messages[-1].get("role") == "assistant"):
+            raise self._mismatch(before[:cut] + self.format.token_text(self._last_token), after, new_messages)
         self.messages.extend(new_messages)
         return self.encode(after[start:])
+
+    def resync(self, new_messages: list[Message], generation_prompt: bool = True) -> list[int]:
+        """Add ``new_messages`` after a mismatch and return every token of the conversation as rendered now
+        (prompt included), for a trajectory that re-tokenizes or starts a new sample."""
+        self.messages.extend(new_messages)
+        return self.encode(self.render(self.messages, generation_prompt=generation_prompt))
+
+    def _mismatch(self, expected: str, after: str, new_messages: list[Message]) -> NotAppendOnly:
+        old, new = self.encode(expected), self.encode(after)
+        at = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+        char = len(self.tokenizer.decode(old[:at], skip_special_tokens=False))
+        message = self._message_at(char)
+        show = lambda ids: repr(self.tokenizer.decode(ids[at:at + 1], skip_special_tokens=False)) if at < len(ids) else "nothing"
+        context = lambda ids: repr(self.tokenizer.decode(ids[max(0, at - 8):at + 8], skip_special_tokens=False))
+        roles = ", ".join(m["role"] for m in new_messages)
+        return NotAppendOnly(
+            f"the chat template is not append-only after policy turn {self.policy_turns}: adding {len(new_messages)} "
+            f"message(s) ({roles}) changed the rendering of message {message} ({self._role(message)}) at token {at}: "
+            f"{show(old)} became {show(new)} ({context(old)} -> {context(new)})",
+            message_index=message, token_index=at, after=after)
+
+    def _role(self, index: int) -> str:
+        return self.messages[index]["role"] if 0 <= index < len(self.messages) else "?"
+
+    def _message_at(self, char: int) -> int:
+        """The index of the message whose rendering holds character ``char`` of the conversation's rendering."""
+        for i in range(1, len(self.messages) + 1):
+            try:
+                if len(self.render(self.messages[:i], generation_prompt=False)) > char:
+                    return i - 1
+            except Exception:  # a template that cannot render this prefix alone (e.g. tools without results)
+                continue
+        return len(self.messages) - 1

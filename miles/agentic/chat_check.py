@@ -1,0 +1,208 @@
+"""The scenario matrix behind ``miles chat-format check``: is a chat format token-exact?
+
+Each scenario is a conversation (system and user, one tool call and its result, two calls in one turn
+and their two results, reasoning on and off, a follow-up user message, a final answer). It is played
+as a multi-turn rollout plays it: the prompt rendered with the generation prompt, each assistant turn
+"generated" as the text the template renders for it up to the policy's stop token, each observation
+as :class:`~miles.agentic.chat.Conversation`'s suffix. The result is exact when those ids equal the
+tokenization of the whole conversation rendered at once (what a deployed model is given), and when
+each turn's calls and reasoning parse back to the message they came from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.agentic.chat import Conversation, NotAppendOnly
+from miles.agentic.chat_format import BoundFormat, ChatFormat
+from miles.agentic.types import Message
+
+__all__ = ["SCENARIOS", "ScenarioResult", "check_format", "scenario_messages", "TOOLS"]
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The time in a time zone.",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}},
+]
+
+SCENARIOS = ("one_call", "parallel_calls", "reasoning", "reasoning_off", "follow_up_user", "final_answer")
+
+
+def _assistant(fmt: ChatFormat, content: str, calls: list[tuple[str, dict]] = (), reasoning: str | None = None,
+               first_index: int = 0) -> Message:
+    from miles.agentic.types import ToolCall
+
+    parsed = [ToolCall(name, args, id=fmt.call_id(first_index + i, name, seed="check"))
+              for i, (name, args) in enumerate(calls)]
+    message: Message = {"role": "assistant", "content": content}
+    if reasoning is not None and fmt.reasoning_field:
+        message[fmt.reasoning_field] = reasoning
+    elif reasoning is not None and fmt.reasoning_parser:  # a family that keeps reasoning in the content
+        message["content"] = f"<think>\n{reasoning}\n</think>\n\n{content}"
+    if parsed:
+        message["tool_calls"] = [fmt.message_call(c) for c in parsed]
+    return message
+
+
+def _tool(message: Message, index: int, content: str) -> Message:
+    call = message["tool_calls"][index]
+    return {"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"], "content": content}
+
+
+def scenario_messages(fmt: ChatFormat, name: str) -> list[Message]:
+    """The messages of scenario ``name`` for ``fmt`` (call ids and argument form as the format wants)."""
+    thinks = fmt.reasoning_parser is not None
+    why = "I should look this up." if thinks else None
+    if fmt.always_reasons:  # the generation prompt opens the reasoning: every turn has some
+        return [_with_reasoning(fmt, m) for m in _scenario(fmt, name, thinks, why)]
+    return _scenario(fmt, name, thinks, why)
+
+
+def _with_reasoning(fmt: ChatFormat, message: Message) -> Message:
+    if message["role"] != "assistant" or message.get(fmt.reasoning_field or ""):
+        return message
+    return {**message, fmt.reasoning_field: "Let me think."} if fmt.reasoning_field else message
+
+
+def _scenario(fmt: ChatFormat, name: str, thinks: bool, why: str | None) -> list[Message]:
+    head: list[Message] = [{"role": "system", "content": "You are a helpful assistant."},
+                           {"role": "user", "content": "What is the weather in Paris?"}]
+    if name == "final_answer":
+        return [*head, _assistant(fmt, "It is sunny in Paris.", reasoning=why)]
+    if name == "one_call":
+        call = _assistant(fmt, "", [("get_weather", {"city": "Paris"})])
+        return [*head, call, _tool(call, 0, "sunny, 21 C"), _assistant(fmt, "It is sunny in Paris, 21 C.")]
+    if name in ("parallel_calls", "reasoning", "reasoning_off"):
+        if name != "reasoning_off" or thinks:
+            reason = why if name == "reasoning" else None
+            calls = _assistant(fmt, "", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})],
+                               reasoning=reason)
+            final = _assistant(fmt, "Sunny, and it is noon.", reasoning="Both answers are in." if reason else None)
+            if name == "reasoning_off":  # reasoning in the first turn, none in the answer
+                calls = _assistant(fmt, "", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})],
+                                   reasoning=why)
+                final = _assistant(fmt, "Sunny, and it is noon.")
+            return [*head, calls, _tool(calls, 0, "sunny"), _tool(calls, 1, "12:00"), final]
+        return []
+    if name == "follow_up_user":
+        call = _assistant(fmt, "", [("get_weather", {"city": "Paris"})], reasoning=why)
+        return [*head, call, _tool(call, 0, "sunny"), _assistant(fmt, "It is sunny.", reasoning=why),
+                {"role": "user", "content": "And in Rome?"},
+                _assistant(fmt, "", [("get_weather", {"city": "Rome"})], reasoning=why, first_index=1)]
+    raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    exact: bool
+    detail: str = ""  # for a mismatch: the first differing token and both renderings around it
+    parse_problems: list[str] = field(default_factory=list)
+    skipped: str = ""  # why the scenario does not apply to this format
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.skipped) or (self.exact and not self.parse_problems)
+
+
+def _first_stop(fmt: BoundFormat, text: str, start: int) -> int:
+    """The end (exclusive) of the first stop token in ``text`` at or after ``start``, else ``len(text)``."""
+    ends = [text.find(t, start) + len(t) for t in fmt.format.all_stop_tokens if text.find(t, start) >= 0]
+    return min(ends) if ends else len(text)
+
+
+def _strip_stop(fmt: BoundFormat, text: str) -> str:
+    for token in sorted(fmt.format.all_stop_tokens, key=len, reverse=True):
+        if text.endswith(token):
+            return text[: -len(token)]
+    return text
+
+
+def play(fmt: BoundFormat, messages: list[Message], tools: list[dict[str, Any]] | None) -> tuple[list[int], list[str], list[str]]:
+    """The ids a rollout records for ``messages``, the generated text of each assistant turn, and problems
+    parsing those turns back. Raises NotAppendOnly where the template is not append-only."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    conversation = Conversation(fmt, messages[:first], tools)
+    ids, generated, problems = list(conversation.prompt_ids), [], []
+    full = conversation.render(messages, generation_prompt=False)
+    k = first
+    while k < len(messages):
+        prompt = conversation.render(messages[:k], generation_prompt=True)
+        if not full.startswith(prompt):
+            at = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), len(prompt))
+            raise NotAppendOnly(f"the generation prompt before message {k} is not a prefix of the whole rendering at "
+                                f"character {at}: {prompt[at - 30:at + 30]!r} vs {full[at - 30:at + 30]!r}",
+                                message_index=k)
+        text = full[len(prompt):_first_stop(fmt, full, len(prompt))]
+        turn_ids = conversation.encode(text)
+        generated.append(text)
+        ids += turn_ids
+        problems += _parse_back(fmt, _strip_stop(fmt, text), messages[k], k)
+        conversation.add_policy_turn(messages[k], turn_ids[-1] if turn_ids else None)
+        nxt = next((i for i in range(k + 1, len(messages)) if messages[i]["role"] == "assistant"), len(messages))
+        if k + 1 < len(messages):
+            ids += conversation.extend(messages[k + 1:nxt], generation_prompt=nxt < len(messages))
+        k = nxt
+    return ids, generated, problems
+
+
+def _parse_back(fmt: BoundFormat, text: str, message: Message, index: int) -> list[str]:
+    problems = []
+    if fmt.reasoning_parser is not None and fmt.format.reasoning_field:
+        split = fmt.reasoning_parser.split(text)
+        want = message.get(fmt.format.reasoning_field) or None
+        if (split.reasoning or None) != want:
+            problems.append(f"message {index}: reasoning parsed as {split.reasoning!r}, expected {want!r}")
+        text = split.content
+    if fmt.tool_parser is not None:
+        calls = fmt.tool_parser.parse(text)
+        got = [(c.name, c.arguments, c.error) for c in calls]
+        want = [(c["function"]["name"], _arguments(c["function"]["arguments"]), None)
+                for c in message.get("tool_calls") or ()]
+        if got != want:
+            problems.append(f"message {index}: tool calls parsed as {got}, expected {want}")
+        content = fmt.tool_parser.content(text)
+        if content.strip() != str(message.get("content") or "").strip() and fmt.format.reasoning_field:
+            problems.append(f"message {index}: content parsed as {content!r}, expected {message.get('content')!r}")
+    return problems
+
+
+def _arguments(arguments: Any) -> Any:
+    return json.loads(arguments) if isinstance(arguments, str) else arguments
+
+
+def check_format(fmt: BoundFormat, scenarios: tuple[str, ...] = SCENARIOS) -> list[ScenarioResult]:
+    """Play every scenario and compare with the whole conversation rendered at once."""
+    results = []
+    for name in scenarios:
+        messages = scenario_messages(fmt.format, name)
+        if not messages:
+            results.append(ScenarioResult(name, True, skipped="the format has no reasoning"))
+            continue
+        try:
+            conversation = Conversation(fmt, messages[:1], TOOLS)
+            full = conversation.render(messages, generation_prompt=False)
+            ids, generated, problems = play(fmt, messages, TOOLS)
+            # the whole rendering ends where the policy's last turn ends (a template may add a newline after it)
+            full_ids = conversation.encode(full[:full.rindex(generated[-1]) + len(generated[-1])])
+        except NotAppendOnly as exc:
+            results.append(ScenarioResult(name, False, f"not append-only: {exc}"))
+            continue
+        except Exception as exc:  # the template refused the conversation
+            results.append(ScenarioResult(name, False, f"the template cannot render it: {type(exc).__name__}: {exc}"))
+            continue
+        if ids == full_ids:
+            results.append(ScenarioResult(name, True, parse_problems=problems))
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(ids, full_ids)) if a != b), min(len(ids), len(full_ids)))
+        show = lambda seq: fmt.tokenizer.decode(seq[max(0, at - 6):at + 6], skip_special_tokens=False)
+        token = lambda seq: repr(fmt.tokenizer.convert_ids_to_tokens(seq[at])) if at < len(seq) else "end"
+        results.append(ScenarioResult(
+            name, False, f"token {at}: rollout {token(ids)}, whole rendering {token(full_ids)}; rollout "
+                         f"{show(ids)!r} vs whole {show(full_ids)!r}", problems))
+    return results

@@ -1,0 +1,5 @@
+"""deepseek chat formats (to be written)."""
+
+FORMATS = ()
+TOOL_PARSERS: dict = {}
+REASONING_PARSERS: dict = {}

@@ -1,0 +1,5 @@
+"""glm chat formats (to be written)."""
+
+FORMATS = ()
+TOOL_PARSERS: dict = {}
+REASONING_PARSERS: dict = {}

@@ -1,0 +1,5 @@
+"""gpt_oss chat formats (to be written)."""
+
+FORMATS = ()
+TOOL_PARSERS: dict = {}
+REASONING_PARSERS: dict = {}

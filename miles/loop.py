@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any, Callable
 
+import torch
+
 from miles import interrupts
 from miles.agentic.metrics import agentic_metrics
 from miles.distill import distill_advantages
@@ -135,8 +137,12 @@ def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[st
     training side of the step's metrics to ``metrics``. Nothing trained (or ``rollout_only``), nothing pushed;
     returns whether it pushed."""
     train_samples = [s for g in groups for s in g.trainable_samples]
+    # rollout.tito.on_mismatch=split: a trajectory's earlier parts train as rows of their own, after its rows
+    owners = [(i, seg) for i, s in enumerate(train_samples) for seg in s.segments]
+    for i, segment in owners:
+        segment.reward = train_samples[i].reward
     if c.mask_off_policy:
-        for sample in train_samples:
+        for sample in train_samples + [seg for _, seg in owners]:
             sample.mask_off_policy()
     if c.save_rollouts is not None:  # before training: a step that fails to train is kept to replay
         c.save_rollouts(step, train_samples)
@@ -144,7 +150,7 @@ def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[st
     trains = bool(train_samples) and not c.rollout_only
     if trains:
         logprob_start = time.perf_counter()  # the forward passes before the update: reference, values, teacher
-        batch = TrainBatch.from_samples(train_samples, c.pad_token_id)
+        batch = TrainBatch.from_samples(train_samples + [seg for _, seg in owners], c.pad_token_id)
         if c.kl_reward_coef:
             kl = kl_estimate(batch.rollout_logprobs, c.backend.ref_logprobs(batch), c.kl_estimator) * batch.loss_mask
             batch.kl_penalty = c.kl_reward_coef * kl
@@ -154,7 +160,8 @@ def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[st
         teacher_logprobs = c.teacher.logprobs(batch) if c.teacher is not None else None
         advantage_start = time.perf_counter()
         logprob_s = advantage_start - logprob_start
-        batch.advantages = c.advantage_fn(batch)
+        batch.advantages = segment_advantages(batch, c.advantage_fn, [i for i, _ in owners]) if owners else \
+            c.advantage_fn(batch)
         if teacher_logprobs is not None:  # on-policy distillation: the teacher's per-token reverse KL
             batch.advantages, distilled = distill_advantages(batch, teacher_logprobs, c.teacher.kl_coef,
                                                              c.teacher.reward_coef)
@@ -170,12 +177,29 @@ def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[st
         metrics["train/tokens_per_s"] = int(batch.attention_mask.sum()) / train_s
     else:
         metrics["train/tokens_per_s"] = 0.0
-    metrics["train/samples"] = len(train_samples)
+    metrics["train/samples"] = len(train_samples) + len(owners)
     metrics["time/train_s"] = train_s
     metrics["time/logprob_s"] = logprob_s
     metrics["time/advantage_s"] = advantage_s
     metrics["time/weight_sync_s"] = sync_s
     return trains
+
+
+def segment_advantages(batch: TrainBatch, advantage_fn: Callable, owners: list[int]) -> torch.Tensor:
+    """Advantages when trajectories were split (``rollout.tito.on_mismatch=split``): the estimator sees one row
+    per trajectory (its last part, the first rows of ``batch``), so groups count each trajectory once; the
+    rows of earlier parts (after those, ``owners[j]``: the trajectory of part ``j``) take their trajectory's
+    mean advantage over its loss tokens on every loss token of their own."""
+    n = len(batch) - len(owners)
+    trajectories = batch.select(list(range(n)))
+    advantages = torch.zeros_like(batch.loss_mask)
+    own = advantage_fn(trajectories)
+    advantages[:n, : own.shape[1]] = own
+    mask = trajectories.loss_mask
+    means = (own * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    for j, owner in enumerate(owners):
+        advantages[n + j] = means[owner] * batch.loss_mask[n + j]
+    return advantages
 
 
 def finish_step(c: Components, metrics: dict[str, float], start: float) -> dict[str, float]:

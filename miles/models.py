@@ -65,13 +65,13 @@ def build_char_tokenizer(alphabet: str, special_tokens: Sequence[str] = (), adde
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 
 
-def read_chat_template(name_or_path: str) -> str:
+def read_chat_template(name_or_path: str, where: str = "model.tokenizer.chat_template") -> str:
     """The Jinja text of a chat template file, or of one shipped with Miles (by name, without ``.jinja``)."""
     shipped = TEMPLATES_DIR / f"{name_or_path}.jinja"
     path = shipped if shipped.is_file() else Path(name_or_path)
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja")))
-        raise ConfigError(f"model.tokenizer.chat_template: {name_or_path!r} is neither a file nor a shipped "
+        raise ConfigError(f"{where}: {name_or_path!r} is neither a file nor a shipped "
                           f"template ({known})")
     return path.read_text()
 

@@ -18,16 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from miles.checkpoint import Checkpoint, check_compatible, model_signature, newest_intact_checkpoint
 from miles.config.schema import EvalDatasetConfig, EvalSamplingConfig
 from miles.config.validate import component_node, split_node
 from miles.distill import check_teacher
 from miles.errors import ConfigError, DataError
 from miles.evaluation import EvalSet, read_eval_sets
-from miles.models import build_model_dir, load_tokenizer
+from miles.models import build_model_dir, load_tokenizer, read_chat_template
 from miles.rollout.data_source import Prompt, encode_rows, read_rows
 
-__all__ = ["Staged", "preflight", "eval_inputs"]
+__all__ = ["Staged", "chat_format", "eval_inputs", "preflight", "run_tokenizer"]
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Staged:
     ray_num_cpus: int | None  # CPUs for a local Ray instance, when the run uses Ray
     data_stats: dict[str, int] = field(default_factory=dict)
     eval_sets: list[EvalSet] = field(default_factory=list)  # the eval section's datasets, read
+    chat_format: Any = None  # miles.agentic.chat_format.BoundFormat: how the model family talks (None: none fits)
     _staged_model: bool = False
 
     def commit(self, overwrite: bool) -> None:
@@ -271,6 +274,42 @@ def _check_traces(prompts: list[Prompt], tokenizer: Any, key: str, path: str, co
                             f"{context}")
 
 
+def run_tokenizer(p: Any, model_path: str) -> Any:
+    """The model's tokenizer, with ``model.chat_template`` as its chat template when set."""
+    tokenizer = load_tokenizer(model_path)
+    if p.config.model.chat_template:
+        tokenizer.chat_template = read_chat_template(p.config.model.chat_template, "model.chat_template")
+    return tokenizer
+
+
+def chat_format(p: Any, tokenizer: Any, model_path: str, quiet: bool = False) -> Any:
+    """``model.chat_format`` bound to the tokenizer (None when ``auto`` finds none), printed at start.
+
+    The format's stop tokens are sent with every request of a trajectory, with the EOS ids of the checkpoint's
+    ``generation_config.json``; ``model.chat_template`` (else the format's training template, else the tokenizer's
+    own) renders every turn, with ``model.chat_template_kwargs``."""
+    from miles.agentic.chat_format import bind, generation_eos_ids, resolve
+
+    formats = {name: p.registry.get("chat_format", name).obj for name in p.registry.names("chat_format")}
+    model = p.config.model
+    try:
+        fmt, line = resolve(formats, model.chat_format, tokenizer)
+        if fmt is None:
+            if not quiet:
+                print(line, file=sys.stderr)
+            return None
+        kwargs = OmegaConf.to_container(model.chat_template_kwargs) if model.chat_template_kwargs else {}
+        bound = bind(fmt, tokenizer, template=tokenizer.chat_template if model.chat_template else None,
+                     template_kwargs=kwargs, eos_ids=generation_eos_ids(model_path),
+                     build_parser=lambda kind, name: p.registry.build(kind, {"name": name}, f"chat format {fmt.name}"))
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"model.chat_format: {exc}") from exc
+    if not quiet:
+        stops = ", ".join(tokenizer.convert_ids_to_tokens(list(bound.stop_ids)))
+        print(f"{line}; stop tokens {stops}", file=sys.stderr)
+    return bound
+
+
 def eval_inputs(p: Any, model_path: str) -> tuple[Any, list[EvalSet]]:
     """What ``miles eval`` needs: the model's tokenizer and the eval section's datasets (generated data is made in
     a folder removed afterwards). Without ``eval.datasets``, one dataset ``heldout``: the first ``run.eval_size``
@@ -286,7 +325,7 @@ def eval_inputs(p: Any, model_path: str) -> tuple[Any, list[EvalSet]]:
     staging = Path(tempfile.mkdtemp(prefix="miles-eval-"))
     try:
         _, eval_path = _stage_data(p, staging)
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = run_tokenizer(p, model_path)
         return tokenizer, read_eval_sets(config, tokenizer, eval_path, context_length(model_path))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -304,7 +343,8 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
     try:
         train_path, eval_path = _stage_data(p, staging)
         model_path, staged_model = _stage_model(p, staging)
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = run_tokenizer(p, model_path)
+        bound_format = chat_format(p, tokenizer, model_path)
         data_cfg = config.data
         encode = dict(prompt_key=data_cfg.prompt_key, chat_template=data_cfg.chat_template)
         label_key = data_cfg.label_key if config.sft.steps > 0 else None  # SFT needs labels; RL rewards may not
@@ -334,4 +374,5 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Staged(run_dir, staging, model_path, tokenizer, train_prompts, eval_prompts, resume_from, ray_num_cpus,
-                  {"data/dropped_prompts": dropped, "data/dropped_eval_prompts": dropped_eval}, eval_sets, staged_model)
+                  {"data/dropped_prompts": dropped, "data/dropped_eval_prompts": dropped_eval}, eval_sets, bound_format,
+                  staged_model)

@@ -37,7 +37,7 @@ from miles.evaluation import evaluate_sets
 from miles.loop import Components, evaluate, sft_step
 from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
-from miles.preflight import batch_arithmetic, context_length, eval_inputs, preflight
+from miles.preflight import batch_arithmetic, chat_format, context_length, eval_inputs, preflight
 from miles.progress import progress
 from miles.rollouts_io import RolloutWriter
 from miles.rollout.collect import GroupCollector
@@ -135,6 +135,7 @@ class _Run:
     ray_num_cpus: int | None = None  # CPUs of a local Ray instance (see miles.preflight)
     base_model: str = ""  # the model the run starts from, before any SFT; its architecture is checked on resume
     resume_from: Checkpoint | None = None
+    chat_format: Any = None  # miles.agentic.chat_format.BoundFormat (None: no format fits the tokenizer)
     times: dict[str, float] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
 
@@ -244,6 +245,8 @@ def _agentic_parts(run: _Run, model_path: str, plane: RolloutPlane) -> dict[str,
     parts: dict[str, Any] = {
         "context_length": context_length(model_path),
         "tool_parser": p.build("tool_parser", "rollout.tool_parser"),
+        "chat_format": run.chat_format,
+        "tito_on_mismatch": str(rollout.tito.on_mismatch),
         "tool": lambda name: resolve_tool(p.registry, name, "rollout.env.tools"),
         "seed": run.seed,
     }
@@ -487,7 +490,8 @@ def evaluate_model(p: Prepared, model_dir: str) -> dict[str, float]:
     with ExitStack() as closing, tempfile.TemporaryDirectory(prefix="miles-eval-") as scratch:
         run = _Run(p, Path(scratch) / "eval", int(config.run.seed), plugin_stack(p.pm, p.registry), tokenizer,
                    pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                   train_prompts=[], eval_prompts=[], loggers=[], eval_sets=sets, closing=closing)
+                   train_prompts=[], eval_prompts=[], loggers=[], eval_sets=sets, closing=closing,
+                   chat_format=chat_format(p, tokenizer, model_dir))
         run.run_dir.mkdir()
         plane = _rollout_plane(run, model_dir, p.build("weight_transport", "rollout.weight_sync"))
         closing.callback(plane.close)
@@ -542,6 +546,7 @@ def train(p: Prepared) -> dict[str, Any]:
         run.timed("setup", started)
         run.base_model = model_path
         run.resume_from = staged.resume_from
+        run.chat_format = staged.chat_format
         if run.resume_from is not None:
             print(f"run.resume: continuing from {run.resume_from.path} ({run.resume_from.step} steps done)",
                   file=sys.stderr)

@@ -59,6 +59,9 @@ class Sample:
     # prompt_ids + response_ids ([positions, num_layers * top_k], miles.moe.compact form); observation tokens
     # have none (routed by the trainer as usual). None when not recorded.
     routed_experts: Any = field(default=None, repr=False)
+    # rollout.tito.on_mismatch=split: the earlier parts of this trajectory, each a sample of its own (prompt, tokens,
+    # mask, log-probs) that trains with this trajectory's reward and advantage; this sample is the last part
+    segments: list["Sample"] = field(default_factory=list, repr=False)
 
     @property
     def trainable(self) -> bool:
@@ -116,6 +119,25 @@ class Sample:
         observation = [p for p in observation if start <= p < len(merged)]
         merged[observation] = NO_EXPERT
         self.routed_experts = compact(merged)
+
+    def split(self, prompt_ids: list[int], reason: str) -> None:
+        """End the trajectory's current part as a segment and go on from ``prompt_ids`` (the history as the
+        template renders it now) with an empty response."""
+        segment = Sample(prompt_ids=self.prompt_ids, group_index=self.group_index, index=self.index, prompt=self.prompt,
+                         label=self.label, response_ids=self.response_ids, loss_mask=self.loss_mask,
+                         rollout_logprobs=self.rollout_logprobs, status=SampleStatus.COMPLETED, reason=reason,
+                         weight_versions=list(self.weight_versions), off_policy_tokens=self.off_policy_tokens,
+                         turns=self.turns, routed_experts=self.routed_experts)
+        self.segments.append(segment)
+        self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs = list(prompt_ids), [], [], []
+        self.off_policy_tokens, self.routed_experts = 0, None
+
+    def truncate_response(self, length: int) -> None:
+        """Keep the first ``length`` response tokens (with their mask, log-probs and routing)."""
+        del self.response_ids[length:], self.loss_mask[length:], self.rollout_logprobs[length:]
+        self.off_policy_tokens = min(self.off_policy_tokens, length)
+        if self.routed_experts is not None:
+            self.routed_experts = compact(expand(self.routed_experts)[: len(self.prompt_ids) + length])
 
     def fail(self, reason: str) -> None:
         self.status = SampleStatus.FAILED

@@ -2,7 +2,8 @@
 
 import pytest
 
-from miles.agentic.chat import Conversation, NotAppendOnly, end_of_turn
+from miles.agentic.chat import Conversation, NotAppendOnly
+from miles.agentic.chat_format import for_tokenizer
 from miles.models import build_char_tokenizer, read_chat_template
 from miles.testing import CHAT_ALPHABET, CHAT_TOKENIZER
 
@@ -72,14 +73,18 @@ def test_a_template_that_rewrites_earlier_turns_is_detected(tokenizer):
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     conversation = Conversation(tokenizer, [{"role": "user", "content": "hi"}])
     conversation.add_policy_turn({"role": "assistant", "content": "hello"})
-    with pytest.raises(NotAppendOnly, match="changed the rendering of the earlier ones"):
+    with pytest.raises(NotAppendOnly, match=r"after policy turn 1: .* changed the rendering of message 1 \(assistant\) "
+                                            r"at token 21: 'h' became '\.'") as caught:
         conversation.extend([{"role": "user", "content": "again"}])
+    assert (caught.value.message_index, caught.value.token_index) == (1, 21)
 
 
 def test_end_of_turn_and_template_lookup(tokenizer):
-    assert end_of_turn(tokenizer) == ("<|im_end|>", tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    fmt = for_tokenizer(tokenizer)
+    assert fmt.name == "chatml" and fmt.end_of_turn_ids == {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    plain = build_char_tokenizer("abc", chat_template="chatml_tools")
+    assert for_tokenizer(plain).format.end_of_turn == ("<eos>",)  # no builtin fits: turns end at EOS
     plain = build_char_tokenizer("abc")
-    assert end_of_turn(plain) == ("<eos>", plain.eos_token_id)
     with pytest.raises(ValueError, match="no chat template"):
         Conversation(plain, [{"role": "user", "content": "a"}])
     with pytest.raises(Exception, match="neither a file nor a shipped template .*chatml_tools"):

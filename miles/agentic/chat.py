@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles.agentic.chat_format import BoundFormat
+from miles.agentic.chat_format import BoundFormat, for_tokenizer
 from miles.agentic.types import Message
 
 __all__ = ["Conversation", "NotAppendOnly", "normalize_messages"]
@@ -55,12 +55,19 @@ class Conversation:
     prompt.
     """
 
-    def __init__(self, fmt: BoundFormat, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, fmt: BoundFormat | Any, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> None:
+        if not isinstance(fmt, BoundFormat):  # a tokenizer: the builtin format it speaks, with its own template
+            fmt = for_tokenizer(fmt)
         self.format, self.tokenizer, self.tools = fmt, fmt.tokenizer, tools or None
         self.messages: list[Message] = list(messages)
         self.policy_turns = 0
         self._last_token: int | None = None  # the last token the policy generated in its last turn
         self.prompt_ids = self.encode(self.render(self.messages, generation_prompt=True))
+
+    @property
+    def eot_text(self) -> str:
+        """The token text that closes a policy turn in the rendered history."""
+        return self.format.format.end_of_turn[0]
 
     @property
     def eot_id(self) -> int:

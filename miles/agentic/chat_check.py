@@ -58,9 +58,31 @@ def scenario_messages(fmt: ChatFormat, name: str) -> list[Message]:
     """The messages of scenario ``name`` for ``fmt`` (call ids and argument form as the format wants)."""
     thinks = fmt.reasoning_parser is not None
     why = "I should look this up." if thinks else None
+    messages = _scenario(fmt, name, thinks, why)
+    if fmt.one_call_per_turn:
+        messages = _one_call_per_turn(messages)
     if fmt.always_reasons:  # the generation prompt opens the reasoning: every turn has some
-        return [_with_reasoning(fmt, m) for m in _scenario(fmt, name, thinks, why)]
-    return _scenario(fmt, name, thinks, why)
+        messages = [_with_reasoning(fmt, m) for m in messages]
+    return messages
+
+
+def _one_call_per_turn(messages: list[Message]) -> list[Message]:
+    """A turn with several calls played as the family plays it: one call, its result, the next call, ..."""
+    out: list[Message] = []
+    i = 0
+    while i < len(messages):
+        message = messages[i]
+        calls = message.get("tool_calls") or []
+        if message["role"] != "assistant" or len(calls) < 2:
+            out.append(message)
+            i += 1
+            continue
+        results = messages[i + 1:i + 1 + len(calls)]
+        for j, (call, result) in enumerate(zip(calls, results)):
+            turn = {k: v for k, v in message.items() if k != "tool_calls" and (j == 0 or k == "role")}
+            out += [{**turn, "content": message["content"] if j == 0 else "", "tool_calls": [call]}, result]
+        i += 1 + len(calls)
+    return out
 
 
 def _with_reasoning(fmt: ChatFormat, message: Message) -> Message:

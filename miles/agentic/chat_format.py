@@ -57,6 +57,7 @@ class ChatFormat:
     arguments: str = "json"
     reasoning_field: str | None = None
     always_reasons: bool = False  # the generation prompt opens the reasoning (QwQ, DeepSeek-R1)
+    one_call_per_turn: bool = False  # generation stops after each call (gpt-oss' <|call|>): calls come one turn each
     template: str | None = None
     identify: tuple[str, ...] = ()
     template_markers: tuple[str, ...] = ()
@@ -241,3 +242,67 @@ def assistant_message(fmt: ChatFormat, content: str, reasoning: str | None, call
     if calls:
         message["tool_calls"] = [fmt.message_call(c) for c in calls]
     return message
+
+
+def builtin_formats() -> dict[str, ChatFormat]:
+    """The builtin formats by name (without a plugin manager: for code that has only a tokenizer)."""
+    import importlib
+
+    from miles.agentic.formats import FAMILIES
+
+    return {f.name: f for family in FAMILIES for f in importlib.import_module(f"miles.agentic.formats.{family}").FORMATS}
+
+
+def _builtin_parser(kind: str, name: str) -> Any:
+    import importlib
+
+    from miles.agentic.formats import FAMILIES
+    from miles.agentic.tool_calls import HermesParser, PythonBlockParser
+
+    factories: dict[str, Any] = {"hermes": HermesParser, "python_block": PythonBlockParser} if kind == "tool_parser" else \
+        {"think": ThinkTagReasoning}
+    for family in FAMILIES:
+        module = importlib.import_module(f"miles.agentic.formats.{family}")
+        factories.update(module.TOOL_PARSERS if kind == "tool_parser" else module.REASONING_PARSERS)
+    return factories[name]()
+
+
+def generic_format(tokenizer: Any) -> ChatFormat:
+    """A format for a tokenizer no builtin fits: its turns end at ``<|im_end|>``, ``<|eot_id|>`` or
+    ``<end_of_turn>`` when it has one, else at EOS; Hermes tool calls."""
+    for text in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
+        if _token_id(tokenizer, text) is not None:
+            return ChatFormat(name="generic", end_of_turn=(text,))
+    return ChatFormat(name="generic", end_of_turn=(tokenizer.eos_token,))
+
+
+def for_tokenizer(tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> BoundFormat:
+    """The builtin format ``tokenizer`` speaks (detected; else :func:`generic_format`), bound to it with the
+    tokenizer's own chat template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the tokenizer has no chat template; multi-turn rollouts render messages with one "
+                         "(set model.chat_template, e.g. chatml_tools, or model.tokenizer.chat_template for a built "
+                         "tokenizer)")
+    fmt, _ = detect(builtin_formats(), tokenizer)
+    return bind(fmt or generic_format(tokenizer), tokenizer, template=tokenizer.chat_template,
+                template_kwargs=template_kwargs, build_parser=_builtin_parser)
+
+
+def resolve(formats: dict[str, ChatFormat], choice: str, tokenizer: Any) -> tuple[ChatFormat | None, str]:
+    """The format for ``model.chat_format`` (a name, or ``auto``: detected) and a line saying how it was chosen.
+
+    ``auto`` gives None (and says why) when no format fits; several equally good candidates are an error
+    naming them.
+    """
+    if choice != "auto":
+        if choice not in formats:
+            raise KeyError(choice)
+        return formats[choice], f"chat format: {choice} (model.chat_format)"
+    fmt, candidates = detect(formats, tokenizer)
+    if fmt is not None:
+        others = f"; candidates: {', '.join(candidates)}" if len(candidates) > 1 else ""
+        return fmt, f"chat format: {fmt.name} (detected from the tokenizer{others})"
+    if candidates:
+        raise ValueError(f"model.chat_format: the tokenizer fits several chat formats ({', '.join(candidates)}) and its "
+                         f"chat template does not tell them apart; set model.chat_format to one of them")
+    return None, "chat format: none detected (single-turn prompts use the tokenizer's chat template, if any)"

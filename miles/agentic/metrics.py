@@ -10,8 +10,8 @@ __all__ = ["agentic_metrics"]
 
 
 def agentic_metrics(samples: list[Sample]) -> dict[str, float]:
-    """``rollout/observation_token_frac`` always; turns, tool calls and sandbox times for samples that
-    recorded tool statistics (``metadata["tools"]``, filled by ``multi_turn``)."""
+    """``rollout/observation_token_frac`` always; turns, tool calls, sandbox times and token-in-token-out
+    mismatches for samples that recorded them (``metadata["tools"]`` and ``["tito"]``, filled by ``multi_turn``)."""
     total = sum(len(s.response_ids) for s in samples)
     observed = sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples)
     metrics = {"rollout/observation_token_frac": observed / total if total else 0.0}
@@ -28,6 +28,11 @@ def agentic_metrics(samples: list[Sample]) -> dict[str, float]:
         "tools/schema_errors": counts["schema_errors"],
         "tools/timeouts": counts["timeouts"],
     })
+    tito = [s.metadata["tito"] for s in agentic if "tito" in s.metadata]
+    if tito:  # rollout.tito.on_mismatch: trajectories whose history was not append-only, and those split
+        metrics["rollout/tito_mismatch_frac"] = sum(t["mismatches"] > 0 for t in tito) / len(tito)
+        metrics["rollout/tito_split_frac"] = sum(t["splits"] > 0 for t in tito) / len(tito)
+        metrics["rollout/tito_retokenized_tokens"] = sum(t["retokenized_tokens"] for t in tito)
     times = sorted(t for s in agentic for t in s.metadata.get("exec_s", ()))
     if times:
         cuts = quantiles(times, n=100, method="inclusive") if len(times) > 1 else [times[0]] * 99

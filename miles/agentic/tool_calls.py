@@ -1,7 +1,8 @@
 """Finding tool calls in generated text and checking them against the tools' JSON schemas.
 
 A parser (registry kind ``tool_parser``) only finds calls; :func:`check_calls` validates every call
-the same way for all parsers. A call that cannot be used carries an ``error`` that goes back to the
+the same way for all parsers. A parser sets a call's ``id`` only when the generated text carries one; the
+rollout gives the others the chat format's ids (:func:`miles.agentic.turns.read_turn`). A call that cannot be used carries an ``error`` that goes back to the
 model as an observation, and is counted as a parse error (the text is not a call) or a schema error
 (an unknown tool, or arguments that break the tool's schema).
 """
@@ -28,8 +29,8 @@ class HermesParser:
 
     def parse(self, text: str) -> list[ToolCall]:
         calls = []
-        for i, match in enumerate(self._CALL.finditer(text)):
-            call = ToolCall(name="", arguments={}, id=f"call_{i}")
+        for match in self._CALL.finditer(text):
+            call = ToolCall(name="", arguments={})
             if not match.group(0).endswith("</tool_call>"):
                 call.error = "the tool call is not closed with </tool_call>"
             else:
@@ -75,8 +76,8 @@ class PythonBlockParser:
 
     def parse(self, text: str) -> list[ToolCall]:
         calls = []
-        for i, match in enumerate(self._BLOCK.finditer(text)):
-            call = ToolCall(name=self.tool, arguments={self.argument: match.group(1)}, id=f"call_{i}")
+        for match in self._BLOCK.finditer(text):
+            call = ToolCall(name=self.tool, arguments={self.argument: match.group(1)})
             if not match.group(0).endswith("```"):
                 call.error = "the python block is not closed with ```"
             calls.append(call)

@@ -53,6 +53,11 @@ class ModelConfig:
     path: Optional[str] = None  # an HF-format directory; when unset, a model is built from `build`
     build: ModelBuildConfig = field(default_factory=ModelBuildConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    # how the model family talks in multi-turn rollouts (docs/agentic.md#chat-formats): a registered chat format,
+    # or auto (detected from the tokenizer and printed at start)
+    chat_format: str = "auto"
+    chat_template: Optional[str] = None  # a Jinja file or a shipped template name, for model.path checkpoints too
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)  # reach every rendering: {enable_thinking: false}
 
 
 @dataclass
@@ -85,6 +90,15 @@ class SamplingConfig:
 
 
 @dataclass
+class TitoConfig:
+    """``rollout.tito``: token in, token out across turns."""
+
+    # when the template renders the history differently once new messages arrive: fail the sample, split the
+    # trajectory into a new sample from that turn, or re-render and leave the changed tokens out of the loss
+    on_mismatch: str = "fail"
+
+
+@dataclass
 class RolloutConfig:
     fn: Any = _component("single_turn")
     env: Any = None  # {name: ..., **args}: the environment of multi-turn rollouts (multi_turn, agent)
@@ -99,6 +113,7 @@ class RolloutConfig:
     # MoE models: the engine returns each token's expert ids (SGLang's return_routed_experts), kept in the samples
     return_routed_experts: bool = False
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    tito: TitoConfig = field(default_factory=TitoConfig)
 
 
 @dataclass

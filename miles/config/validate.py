@@ -47,6 +47,7 @@ _RANGES: list[tuple[str, Any, str]] = [
     ("regularization.kl_in", lambda v: v in ("loss", "reward"), "loss or reward"),
     ("data.chat_template", lambda v: v in ("auto", "true", "false", True, False), "auto, true or false"),
     ("data.overlong_prompts", lambda v: v in ("error", "drop"), "error or drop"),
+    ("rollout.tito.on_mismatch", lambda v: v in ("fail", "split", "retokenize"), "fail, split or retokenize"),
     ("run.schedule", lambda v: v in SCHEDULES, "sync, one_step_off or async"),
     ("rollout.async.max_staleness", lambda v: v >= 0, "a whole number >= 0"),
     ("rollout.async.max_concurrent_samples", lambda v: v >= 0, "a whole number >= 0 (0: from max_staleness)"),
@@ -204,6 +205,22 @@ def _agentic_problems(config: DictConfig, registry: Registry) -> list[str]:
                 continue
             if tool.needs_sandbox and config.rollout.sandbox is None:
                 problems.append(f"rollout.sandbox: tool {name!r} runs code in a sandbox; set one, e.g. {{name: local}}")
+    if config.rollout.tito.on_mismatch == "split":
+        advantage = component_node(config.advantage)["name"]
+        try:
+            needs_values = getattr(registry.get("advantage", advantage).obj, "needs_values", False)
+        except ConfigError:
+            needs_values = False  # reported with the advantage node
+        if needs_values:
+            problems.append(f"rollout.tito.on_mismatch: split trains a trajectory's earlier parts with its mean "
+                            f"advantage, which advantage {advantage!r} (per-token values) does not have; use "
+                            f"retokenize or fail, or a sequence-level estimator (grpo, rloo, reinforce_pp, ...)")
+    choice = config.model.chat_format
+    if choice != "auto":
+        try:
+            registry.get("chat_format", choice, where="model.chat_format")
+        except ConfigError as exc:
+            problems.append(f"{exc} (or auto: detected from the tokenizer)")
     return problems
 
 

@@ -15,14 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.agentic.chat import Conversation, NotAppendOnly, normalize_messages
-from miles.agentic.tool_calls import check_calls
+from miles.agentic.turns import read_turn
 from miles.agentic.types import Action, EnvContext, ToolResult
 from miles.rollout.context import RolloutContext
 from miles.types import Sample, SampleStatus
 
-__all__ = ["MultiTurn", "TOOL_STATS"]
+__all__ = ["MultiTurn", "TITO_STATS", "TOOL_STATS"]
 
 TOOL_STATS = ("calls", "succeeded", "parse_errors", "schema_errors", "timeouts")
+TITO_STATS = ("mismatches", "splits", "retokenized_tokens")  # per trajectory: rollout.tito.on_mismatch's work
 
 
 @dataclass
@@ -99,10 +100,12 @@ class MultiTurn:
         if not first:
             first = normalize_messages(sample.prompt, role="user")
         trajectory.tools = list(getattr(env, "tools", None) or [])
-        trajectory.conversation = Conversation(ctx.tokenizer, first, trajectory.tools if self.tools_in_prompt else None)
+        fmt = ctx.chat_format if ctx.chat_format is not None else ctx.tokenizer
+        trajectory.conversation = Conversation(fmt, first, trajectory.tools if self.tools_in_prompt else None)
         sample.prompt_ids = list(trajectory.conversation.prompt_ids)
         sample.metadata["tools"] = dict.fromkeys(TOOL_STATS, 0)
         sample.metadata["exec_s"] = []
+        sample.metadata["tito"] = dict.fromkeys(TITO_STATS, 0)
 
     def _room(self, sample: Sample, ctx: RolloutContext) -> tuple[int, str]:
         """Tokens the trajectory may still add, and the limit that binds."""
@@ -131,7 +134,7 @@ class MultiTurn:
             if budget <= 0:
                 sample.status, sample.reason = SampleStatus.TRUNCATED, limit
                 return False
-            stop_ids = sorted({*ctx.sampling_params.get("stop_token_ids", ()), conversation.eot_id})
+            stop_ids = conversation.format.request_stop_ids(ctx.sampling_params.get("stop_token_ids", ()))
             params = {**ctx.sampling_params, "max_new_tokens": budget, "stop_token_ids": stop_ids}
             answer = await ctx.engine.generate(sample.prompt_ids + sample.response_ids, params, return_logprob=True,
                                                **ctx.generate_options)
@@ -152,15 +155,15 @@ class MultiTurn:
 
             sample.turns += 1
             turn_ids = sample.response_ids[trajectory.turn_start:]
-            text = ctx.tokenizer.decode(turn_ids, skip_special_tokens=True)
+            turn = read_turn(conversation.format, turn_ids, trajectory.tools, tool_parser=ctx.tool_parser,
+                             first_call_index=stats["calls"], seed=sample.metadata["trajectory"])
+            text, checked = turn.text, turn.checked
             sample.response_text = text
-            checked = check_calls(ctx.tool_parser.parse(text), trajectory.tools)
             valid = checked.valid
             stats["calls"] += len(checked.calls)
             stats["parse_errors"] += checked.parse_errors
             stats["schema_errors"] += checked.schema_errors
-            conversation.add_policy_turn({"role": "assistant", "content": ctx.tool_parser.content(text),
-                                          **({"tool_calls": [c.openai() for c in valid]} if valid else {})})
+            conversation.add_policy_turn(turn.message, turn_ids[-1] if turn_ids else None)
             # Calls that cannot run are answered here, with the reason; the env sees the valid ones only.
             messages = [{"role": "tool", "name": c.name, "tool_call_id": c.id, "content": f"error: {c.error}"}
                         for c in checked.calls if c.error is not None]
@@ -181,14 +184,39 @@ class MultiTurn:
             try:
                 observation = conversation.extend(messages)
             except NotAppendOnly as exc:
-                sample.fail(f"rollout: {exc}")
-                return False
+                observation = self._mismatch(exc, conversation, messages, sample, ctx.tito_on_mismatch)
+                if observation is None:
+                    return False
             room, limit = self._room(sample, ctx)
             if len(observation) >= room:  # no room left for the observation and one more generated token
                 sample.status, sample.reason = SampleStatus.TRUNCATED, f"{limit} by the observation after turn {sample.turns}"
                 return False
             sample.append(observation, None, from_policy=False)
             trajectory.turn_start = len(sample.response_ids)
+
+    @staticmethod
+    def _mismatch(exc: NotAppendOnly, conversation: Conversation, messages: list, sample: Sample,
+                  on_mismatch: str) -> list[int] | None:
+        """What ``rollout.tito.on_mismatch`` does when the history is not append-only: the tokens to append
+        next, or None when the sample fails (``fail``)."""
+        stats = sample.metadata["tito"]
+        stats["mismatches"] += 1
+        if on_mismatch == "fail":
+            sample.fail(f"rollout: {exc} (rollout.tito.on_mismatch=fail; split or retokenize go on)")
+            return None
+        rendered = conversation.resync(messages)
+        held = sample.prompt_ids + sample.response_ids
+        if on_mismatch == "split":
+            stats["splits"] += 1
+            sample.split(rendered, reason=f"rollout.tito: split after turn {sample.turns}: {exc}")
+            return []
+        same = next((i for i, (a, b) in enumerate(zip(held, rendered)) if a != b), min(len(held), len(rendered)))
+        if same < len(sample.prompt_ids):
+            sample.fail(f"rollout: {exc}; rollout.tito.on_mismatch=retokenize cannot re-render a changed prompt")
+            return None
+        stats["retokenized_tokens"] += len(held) - same
+        sample.truncate_response(same - len(sample.prompt_ids))
+        return rendered[same:]
 
     @staticmethod
     def _count_results(valid: list, results: list[ToolResult] | None, stats: dict[str, int], exec_s: list[float]) -> None:

@@ -1,0 +1,49 @@
+"""Reading one generated policy turn in its chat format: the text an env sees, the reasoning, the tool
+calls (checked against the tools' schemas, with the format's ids) and the assistant message the turn
+stands for when the conversation is rendered again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from miles.agentic.chat_format import BoundFormat, assistant_message
+from miles.agentic.tool_calls import CheckedCalls, check_calls
+from miles.agentic.types import Message
+
+__all__ = ["PolicyTurn", "read_turn"]
+
+
+@dataclass
+class PolicyTurn:
+    text: str  # the turn decoded without special tokens (what an env reads as the action's text)
+    reasoning: str | None  # what the reasoning parser found (None: no reasoning in this turn)
+    checked: CheckedCalls  # every call found, the unusable ones with their error
+    message: Message  # the assistant message, in the shape the format's template reads
+
+
+def read_turn(fmt: BoundFormat, token_ids: list[int], tools: list[dict[str, Any]] | None, *, tool_parser: Any = None,
+              first_call_index: int = 0, seed: str = "") -> PolicyTurn:
+    """Read a generated turn. ``tool_parser`` overrides the format's; calls the text gives no id get
+    ``fmt.format.call_id(first_call_index + i, ...)``. Without ``tools`` no call is parsed."""
+    tokenizer = fmt.tokenizer
+    ids = token_ids[:-1] if token_ids and token_ids[-1] in fmt.stop_ids else token_ids
+    raw = tokenizer.decode(ids, skip_special_tokens=False)
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    reasoning, body = None, raw
+    if fmt.reasoning_parser is not None:
+        split = fmt.reasoning_parser.split(raw)
+        reasoning = split.reasoning
+        if fmt.format.reasoning_field:
+            body = split.content
+    parser = tool_parser or fmt.tool_parser
+    if not tools or parser is None:
+        checked = CheckedCalls([])
+        content = body
+    else:
+        checked = check_calls(parser.parse(body), tools)
+        content = parser.content(body)
+    for i, call in enumerate(checked.calls):
+        if not call.id:
+            call.id = fmt.format.call_id(first_call_index + i, call.name, seed)
+    return PolicyTurn(text, reasoning, checked, assistant_message(fmt.format, content, reasoning, checked.valid))

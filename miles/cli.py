@@ -130,6 +130,67 @@ def _cmd_session_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_chat_format_check(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from miles.agentic.chat_check import check_format
+    from miles.agentic.chat_format import bind, generation_eos_ids, resolve
+    from miles.models import read_chat_template
+    from miles.plugins import build_plugin_manager
+    from miles.registry import Registry
+
+    registry = Registry.from_plugin_manager(build_plugin_manager())
+    formats = {name: registry.get("chat_format", name).obj for name in registry.names("chat_format")}
+    if args.chat_format != "auto" and args.chat_format not in formats:
+        registry.get("chat_format", args.chat_format, where="--chat-format")  # the error lists the names
+    try:
+        kwargs = json.loads(args.template_kwargs)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--template-kwargs: expected a JSON object, got {args.template_kwargs!r} ({exc})") from exc
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"--template-kwargs: expected a JSON object, got {args.template_kwargs!r}")
+    if args.path is not None:
+        from transformers import AutoTokenizer
+
+        if not Path(args.path).is_dir():
+            raise ConfigError(f"{args.path!r} is not a directory with a tokenizer (or a model directory)")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.path)
+        except Exception as exc:
+            raise ConfigError(f"{args.path!r}: cannot load a tokenizer from it: {type(exc).__name__}: {exc}") from exc
+    elif args.vocabulary is not None:
+        from miles.vocabularies import build_bpe_tokenizer
+
+        if args.chat_format == "auto":
+            raise ConfigError("--vocabulary: name the format to check on it with --chat-format")
+        fmt = formats[args.chat_format]
+        tokenizer = build_bpe_tokenizer(args.vocabulary, (*fmt.identify, *fmt.all_stop_tokens))
+    else:
+        raise ConfigError("give a tokenizer or model directory, or --vocabulary qwen|deepseek with --chat-format")
+    template = read_chat_template(args.chat_template, "--chat-template") if args.chat_template else None
+    try:
+        fmt, line = resolve(formats, args.chat_format, tokenizer)
+        if fmt is None:
+            raise ValueError(f"{line}; name one with --chat-format ({', '.join(formats)})")
+        bound = bind(fmt, tokenizer, template=template, template_kwargs=kwargs,
+                     eos_ids=generation_eos_ids(args.path) if args.path else (),
+                     build_parser=lambda kind, name: registry.build(kind, {"name": name}, f"chat format {fmt.name}"))
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
+    print(line)
+    results = check_format(bound)
+    width = max(len(r.scenario) for r in results)
+    for r in results:
+        status = f"skipped ({r.skipped})" if r.skipped else "exact" if r.exact else f"MISMATCH {r.detail}"
+        print(f"  {r.scenario:<{width}}  {status}")
+        for problem in r.parse_problems:
+            print(f"  {'':<{width}}  parse: {problem}")
+    bad = [r.scenario for r in results if not r.ok]
+    print(f"{len(results) - len(bad)} of {len(results)} scenarios exact" + (f"; not: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
 def _cmd_router_serve(args: argparse.Namespace) -> int:
     from miles.rollout.router_server import serve_router
 
@@ -244,6 +305,18 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("--run", default=None, help="only this run's (the id the run printed at start, miles-run=...); "
                                                 "default: every sandbox tagged by any Miles run")
     gc.set_defaults(func=_cmd_sandbox_gc)
+
+    chat = sub.add_parser("chat-format", help="chat formats: how each model family talks in multi-turn rollouts")
+    chat_sub = chat.add_subparsers(dest="chat_command", required=True)
+    check = chat_sub.add_parser("check", help="play the scenario matrix (tool calls, parallel calls, reasoning on and "
+                                              "off, follow-up user) token in, token out; exit 1 on a mismatch")
+    check.add_argument("path", nargs="?", help="a tokenizer or model directory")
+    check.add_argument("--chat-format", default="auto", help="a registered chat format (default: detected)")
+    check.add_argument("--chat-template", help="a Jinja file or shipped template to render with instead")
+    check.add_argument("--template-kwargs", default="{}", help='JSON, e.g. \'{"enable_thinking": false}\'')
+    check.add_argument("--vocabulary", choices=("qwen", "deepseek"),
+                       help="without a directory: a real BPE vocabulary with the format's tokens added")
+    check.set_defaults(func=_cmd_chat_format_check)
 
     router = sub.add_parser("router", help="the router in front of engines")
     router_sub = router.add_subparsers(dest="router_command", required=True)

@@ -54,14 +54,15 @@ def _tool(message: Message, index: int, content: str) -> Message:
     return {"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"], "content": content}
 
 
-def scenario_messages(fmt: ChatFormat, name: str) -> list[Message]:
-    """The messages of scenario ``name`` for ``fmt`` (call ids and argument form as the format wants)."""
-    thinks = fmt.reasoning_parser is not None
+def scenario_messages(fmt: ChatFormat, name: str, reasoning: bool = True) -> list[Message]:
+    """The messages of scenario ``name`` for ``fmt`` (call ids and argument form as the format wants);
+    ``reasoning=False``: thinking is off (the template's kwargs), no turn reasons."""
+    thinks = fmt.reasoning_parser is not None and reasoning
     why = "I should look this up." if thinks else None
     messages = _scenario(fmt, name, thinks, why)
     if fmt.one_call_per_turn:
         messages = _one_call_per_turn(messages)
-    if fmt.always_reasons:  # the generation prompt opens the reasoning: every turn has some
+    if fmt.always_reasons and thinks:  # the generation prompt opens the reasoning: every turn has some
         messages = [_with_reasoning(fmt, m) for m in messages]
     return messages
 
@@ -201,10 +202,11 @@ def _arguments(arguments: Any) -> Any:
 def check_format(fmt: BoundFormat, scenarios: tuple[str, ...] = SCENARIOS) -> list[ScenarioResult]:
     """Play every scenario and compare with the whole conversation rendered at once."""
     results = []
+    off = fmt.template_kwargs.get("enable_thinking") is False or fmt.template_kwargs.get("thinking") is False
     for name in scenarios:
-        messages = scenario_messages(fmt.format, name)
+        messages = scenario_messages(fmt.format, name, reasoning=not off)
         if not messages:
-            results.append(ScenarioResult(name, True, skipped="the format has no reasoning"))
+            results.append(ScenarioResult(name, True, skipped="no reasoning: the format has none, or thinking is off"))
             continue
         try:
             conversation = Conversation(fmt, messages[:1], TOOLS)

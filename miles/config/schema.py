@@ -103,7 +103,7 @@ class RolloutConfig:
     fn: Any = _component("single_turn")
     env: Any = None  # {name: ..., **args}: the environment of multi-turn rollouts (multi_turn, agent)
     sandbox: Any = None  # {name: local, **args}: where tools run code, one per trajectory
-    tool_parser: Any = _component("hermes")  # how tool calls are found in generated text
+    tool_parser: Any = None  # how tool calls are found in generated text; null: the chat format's parser (else hermes)
     engine: Any = _component("local")  # num_engines: 0 runs it in process; N >= 1 serves N over HTTP as Ray actors
     weight_sync: Any = _component("auto")
     prompts_per_step: int = 16
@@ -268,7 +268,7 @@ COMPONENT_NODES: dict[str, str] = {
     "rollout.weight_sync": "weight_transport",
     "data.generator": "data_generator",
 }
-OPTIONAL_NODES = {"data.generator", "rollout.env", "rollout.sandbox"}
+OPTIONAL_NODES = {"data.generator", "rollout.env", "rollout.sandbox", "rollout.tool_parser"}
 # Keys of a component node that configure how it is run rather than the component itself, with defaults.
 ORCHESTRATION_KEYS: dict[str, dict[str, Any]] = {
     # num_engines 0: in process; N >= 1: N engines over HTTP as Ray actors. release_memory_during_train: the

@@ -282,3 +282,22 @@ def test_a_format_declaration_is_checked():
         ChatFormat(name="x", end_of_turn=("<e>",), tool_call_id="call_{turn}")
     ids = {ChatFormat(name="x", end_of_turn=("<e>",), tool_call_id="alnum9").call_id(i, "f", "t") for i in range(50)}
     assert len(ids) == 50 and all(len(i) == 9 and i.isalnum() for i in ids)
+
+
+def test_the_guide_s_chat_format_plugin_registers_and_renders(chat_model_dir):
+    import re
+    import types
+    from pathlib import Path
+
+    from miles.models import load_tokenizer
+
+    guide = Path(__file__).parents[1].joinpath("docs", "agentic.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", guide, re.DOTALL) if "miles_register_chat_formats" in b)
+    module = types.ModuleType("guide_chat_format")
+    exec(code, module.__dict__)
+    registry = make_registry(module)
+    fmt = registry.get("chat_format", "chatml_python").obj
+    bound = bind(fmt, load_tokenizer(chat_model_dir), build_parser=lambda kind, n: registry.build(kind, {"name": n}, kind))
+    conversation = Conversation(bound, [{"role": "user", "content": "2+2?"}])
+    assert bound.tokenizer.decode(conversation.prompt_ids).endswith("<|im_start|>assistant\n")
+    assert [c.arguments for c in bound.tool_parser.parse("```python\nprint(4)\n```")] == [{"code": "print(4)\n"}]

@@ -294,9 +294,7 @@ def chat_format(p: Any, tokenizer: Any, model_path: str, quiet: bool = False) ->
     model = p.config.model
     try:
         fmt, line = resolve(formats, model.chat_format, tokenizer)
-        if fmt is None:
-            if not quiet:
-                print(line, file=sys.stderr)
+        if fmt is None:  # single-turn prompts only: nothing to say
             return None
         kwargs = OmegaConf.to_container(model.chat_template_kwargs) if model.chat_template_kwargs else {}
         bound = bind(fmt, tokenizer, template=tokenizer.chat_template if model.chat_template else None,

@@ -104,14 +104,16 @@ class SectionToolParser:
             call.error = f"the arguments of {call.name or 'the tool call'} are not valid JSON ({exc})"
             return
         if not isinstance(arguments, dict):
-            call.error = f"the arguments of {call.name or 'the tool call'} must be a JSON object, got {type(arguments).__name__}"
+            call.error = (f"the arguments of {call.name or 'the tool call'} must be a JSON object, "
+                          f"got {type(arguments).__name__}")
             return
         call.arguments = arguments
 
 
 class DeepSeekV3Parser(SectionToolParser):
-    """DeepSeek-V3 and R1 calls: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>``,
-    one per line inside ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``. Registered as tool parser ``deepseek_v3``."""
+    """DeepSeek-V3 and R1 calls:
+    ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>``, one per line inside
+    ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``. Registered as tool parser ``deepseek_v3``."""
 
     section_begin, section_end, call_begin, call_end = CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END
     _FENCED = re.compile(r"\A[ \t]*```(?:json)?[ \t]*\n(.*)\n[ \t]*```\s*\Z", re.DOTALL)
@@ -119,7 +121,8 @@ class DeepSeekV3Parser(SectionToolParser):
     def _read(self, body: str, call: ToolCall) -> None:
         kind, sep, rest = body.partition(SEP)
         if not sep:
-            call.error = f"the tool call has no {SEP}; expected function{SEP}NAME, then the arguments in a ```json block"
+            call.error = (f"the tool call has no {SEP}; expected function{SEP}NAME, then the arguments in a "
+                          f"```json block")
             return
         name, _, raw = rest.partition("\n")
         call.name = name.strip()
@@ -165,11 +168,9 @@ DEEPSEEK_R1 = ChatFormat(
     template="deepseek_r1",
     identify=(*_TOKENS, *_THINK),
     template_markers=("split('</think>')[-1]",),
-    differs_from_deployment="keeps every turn's reasoning (<think>\\nREASONING\\n</think>\\n\\n before the content) and "
-                            "opens <think> after tool results too; the published template strips everything up to "
-                            "</think> from every assistant turn, opens <think> only after a user turn, renders the "
-                            "calls only when the content is None, begins only the first block of tool results with "
-                            "<｜tool▁outputs▁begin｜>, and ignores the tools (listed in the system prompt here)",
+    differs_from_deployment="keeps every turn's reasoning and opens <think> after tool results too, and lists the "
+                            "tools in the system prompt; the published template strips the reasoning from every "
+                            "turn, ignores the tools, and renders a second tool-call turn without its opening tokens",
 )
 
 DEEPSEEK_V3 = ChatFormat(
@@ -197,10 +198,9 @@ DEEPSEEK_V31 = ChatFormat(
     identify=(*_TOKENS, *_THINK),
     template_markers=("<｜Assistant｜></think>",),
     template_kwargs={"thinking": True},
-    differs_from_deployment="keeps every turn's reasoning (<｜Assistant｜><think>REASONING</think> with thinking on, "
-                            "reasoning after tool results as <think>REASONING</think>) and lists the tools in the "
-                            "system prompt; the published template renders every earlier turn as "
-                            "<｜Assistant｜></think>CONTENT whatever the mode, and ignores the tools",
+    differs_from_deployment="keeps every turn's reasoning (<think>REASONING</think>) with thinking on, which is the "
+                            "default here, and lists the tools in the system prompt; the published template renders "
+                            "every earlier turn as </think>CONTENT, thinks only when asked, and ignores the tools",
 )
 
 FORMATS = (DEEPSEEK_R1, DEEPSEEK_V3, DEEPSEEK_V31)

@@ -53,7 +53,7 @@ def harmony_messages(text: str) -> list[HarmonyMessage]:
         limit = len(text) if nxt < 0 else nxt
         at = text.find(MESSAGE, pos, limit)
         if at < 0:
-            messages.append(HarmonyMessage(start, limit, text[pos:limit], None))
+            messages.append(HarmonyMessage(start, limit, text[pos:limit], None, **_header_fields(text[pos:limit])))
             pos = limit
             continue
         header, body_start = text[pos:at], at + len(MESSAGE)

@@ -39,7 +39,8 @@ class KimiK2Parser(SectionToolParser):
         if match["index"] is not None:
             call.id = header  # the id the model wrote: results name it back
         if not sep:
-            call.error = f"the tool call has no {ARGUMENT_BEGIN}; expected functions.NAME:INDEX{ARGUMENT_BEGIN}ARGUMENTS"
+            call.error = (f"the tool call has no {ARGUMENT_BEGIN}; expected "
+                          f"functions.NAME:INDEX{ARGUMENT_BEGIN}ARGUMENTS")
             return
         self._arguments(raw, call)
 

@@ -111,7 +111,8 @@ def test_reasoning_is_parsed_into_its_field(bound, name):
     call = b.format.message_call(ToolCall("get_weather", {"city": "Paris"}))
     message = {"role": "assistant", "content": "", field: "Look it up.", "tool_calls": [call]}
     reasoning, calls, content = _parse(b, _generated(b, HEAD, message))
-    assert (reasoning, [(c.name, c.arguments) for c in calls], content) == ("Look it up.", [("get_weather", {"city": "Paris"})], "")
+    assert reasoning == "Look it up." and content == ""
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]
 
 
 def test_glm_reasoning_field_and_empty_think_pair(bound):
@@ -130,7 +131,8 @@ def _errors(parser, text):
 
 def test_llama_malformed_calls_name_the_problem():
     parser = llama.Llama3JsonParser()
-    calls = parser.parse('{"name": "get_weather", "parameters": {"city": "Paris"}\n{"name": "get_time", "parameters": {"tz": "UTC"}}')
+    calls = parser.parse('{"name": "get_weather", "parameters": {"city": "Paris"}\n'
+                         '{"name": "get_time", "parameters": {"tz": "UTC"}}')
     assert "not valid JSON" in calls[0].error and '"parameters"' in calls[0].error
     assert (calls[1].name, calls[1].arguments, calls[1].error) == ("get_time", {"tz": "UTC"}, None)
     assert "must be a JSON object" in parser.parse('{"name": "get_time", "parameters": [1, 2]}')[0].error
@@ -207,7 +209,8 @@ def test_mistral_call_ids_are_nine_alphanumerics_and_kept(bound):
     text = Conversation(b, HEAD, TOOLS).render(messages, generation_prompt=True)
     assert f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {{"city": "Paris"}}, "id": "{ids[0]}"}}]</s>' in text
     assert text.endswith(f'[TOOL_RESULTS] {{"content": "sunny", "call_id": "{ids[0]}"}}[/TOOL_RESULTS]')
-    assert [c.id for c in b.tool_parser.parse(f'[TOOL_CALLS] [{{"name": "f", "arguments": {{}}, "id": "{ids[1]}"}}]')] == [ids[1]]
+    parsed = b.tool_parser.parse(f'[TOOL_CALLS] [{{"name": "f", "arguments": {{}}, "id": "{ids[1]}"}}]')
+    assert [c.id for c in parsed] == [ids[1]]
 
 
 def test_glm_boundary_after_a_next_role_token_does_not_repeat_it(bound):
@@ -261,6 +264,19 @@ def test_llama_renders_tool_results_as_ipython_and_parallel_calls_one_per_line(b
                          '<|start_header_id|>ipython<|end_header_id|>\n\n{"time": "12:00"}<|eot_id|>'
                          '<|start_header_id|>assistant<|end_header_id|>\n\n')
     assert "Environment: ipython\n" in text and "Given the following functions" in text
+
+
+def test_llama_turn_ended_by_eom_joins_after_the_histories_eot(bound):
+    """A call turn the model ended with <|eom_id|> (ipython mode) is rendered closed by <|eot_id|>; the result's
+    tokens start right after it, so the trajectory keeps the generated <|eom_id|> and nothing is repeated."""
+    b = bound["llama3"]
+    conversation = Conversation(b, HEAD, TOOLS)
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [b.format.message_call(ToolCall("get_weather", {"city": "Paris"}))]}
+    conversation.add_policy_turn(call, b.tokenizer.convert_tokens_to_ids("<|eom_id|>"))
+    suffix = conversation.extend([{"role": "tool", "content": "sunny"}])
+    assert b.tokenizer.decode(suffix, skip_special_tokens=False) == (
+        "<|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
 def test_gpt_oss_stops_at_call_and_return_not_at_end(bound):

@@ -164,8 +164,9 @@ GPT_OSS = ChatFormat(
                             "follows), renders every call of a message (it renders only the first), ends a final "
                             "answer in the history with <|return|>, the token the model generated (it rewrites earlier "
                             "ones to <|end|>), writes tool results and string arguments as they are (it JSON-quotes "
-                            "them), puts the recipient after the channel as harmony's own renderer does, and omits the "
-                            "current date unless current_date is set (it uses today's date)",
+                            "them), puts the recipient after the channel and ends a parameter line with its default "
+                            "comment as harmony's own renderer does, and omits the current date unless current_date "
+                            "is set (it uses today's date)",
 )
 
 FORMATS = (GPT_OSS,)

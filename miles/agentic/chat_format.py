@@ -303,6 +303,6 @@ def resolve(formats: dict[str, ChatFormat], choice: str, tokenizer: Any) -> tupl
         others = f"; candidates: {', '.join(candidates)}" if len(candidates) > 1 else ""
         return fmt, f"chat format: {fmt.name} (detected from the tokenizer{others})"
     if candidates:
-        raise ValueError(f"model.chat_format: the tokenizer fits several chat formats ({', '.join(candidates)}) and its "
+        raise ValueError(f"the tokenizer fits several chat formats ({', '.join(candidates)}) and its "
                          f"chat template does not tell them apart; set model.chat_format to one of them")
     return None, "chat format: none detected (single-turn prompts use the tokenizer's chat template, if any)"

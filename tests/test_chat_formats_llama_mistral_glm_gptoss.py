@@ -179,8 +179,7 @@ def test_glm_malformed_calls_name_the_problem():
 def test_gpt_oss_malformed_calls_name_the_problem():
     parser = gpt_oss.HarmonyToolParser()
     [bad] = parser.parse('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": ')
-    assert (bad.name, bad.error.split(" (")[0]) == ("get_weather", "the arguments of the call to functions.get_weather "
-                                                                    "are not valid JSON")
+    assert (bad.name, bad.error.split(" (")[0]) == ("get_weather", "the arguments of get_weather are not valid JSON")
     [bad] = parser.parse("<|channel|>commentary to=functions.get_weather <|constrain|>json")
     assert bad.error == "the call to functions.get_weather has no <|message|> with its arguments"
     [bad] = parser.parse('<|channel|>commentary to=functions.get_weather<|message|>["Paris"]')

@@ -26,7 +26,7 @@ def test_hermes_finds_several_calls_and_the_text_around_them():
 @pytest.mark.parametrize("body, kind, message", [
     ('{"name": "add", "arguments": {"a": 1, "b": 2}', "parse", "not valid JSON"),
     ('["add"]', "parse", 'a JSON object with a string "name"'),
-    ('{"name": "add", "arguments": 3}', "parse", '"arguments" must be a JSON object'),
+    ('{"name": "add", "arguments": 3}', "parse", "the arguments of add must be a JSON object, got int"),
     ('{"name": "mul", "arguments": {}}', "schema", "unknown tool 'mul'; available: add, execute_python_code"),
     ('{"name": "add", "arguments": {"a": "1", "b": 2}}', "schema", "1 validation error for add: a: '1' is not of type 'integer'"),
     ('{"name": "execute_python_code", "arguments": {"source": "print(1)"}}', "schema",

@@ -22,7 +22,7 @@ from typing import Any
 
 from miles.agentic.types import Message, ToolCall
 
-__all__ = ["BoundFormat", "ChatFormat", "ReasoningSplit", "bind", "detect", "generation_eos_ids", "tool_call_id"]
+__all__ = ["BoundFormat", "ChatFormat", "ReasoningSplit", "bind", "builtin_formats", "detect", "for_tokenizer", "generation_eos_ids", "resolve"]
 
 
 @dataclass(frozen=True)

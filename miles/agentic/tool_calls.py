@@ -18,7 +18,7 @@ import jsonschema
 
 from miles.agentic.types import ToolCall
 
-__all__ = ["HermesParser", "PythonBlockParser", "CheckedCalls", "check_calls"]
+__all__ = ["CheckedCalls", "HermesParser", "PythonBlockParser", "call_from_object", "check_calls", "set_arguments"]
 
 
 class HermesParser:
@@ -51,18 +51,8 @@ class HermesParser:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             call.error = 'the tool call must be a JSON object with a string "name" and an object "arguments"'
             return
-        arguments = obj.get("arguments", {})
-        if isinstance(arguments, str):  # some models send the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError as exc:
-                call.name, call.error = obj["name"], f'"arguments" is a string that is not valid JSON ({exc})'
-                return
         call.name = obj["name"]
-        if not isinstance(arguments, dict):
-            call.error = f'"arguments" must be a JSON object, got {type(arguments).__name__}'
-            return
-        call.arguments = arguments
+        set_arguments(call, obj.get("arguments", {}))
 
 
 class PythonBlockParser:
@@ -85,6 +75,41 @@ class PythonBlockParser:
 
     def content(self, text: str) -> str:
         return self._BLOCK.sub("", text).strip()
+
+
+def set_arguments(call: ToolCall, value: Any, key: str = "arguments") -> ToolCall:
+    """Set ``call.arguments`` from a call's arguments as the model wrote them: a JSON object (decoded), or a
+    string holding one (some models send the arguments as a JSON string). Anything else sets ``call.error``,
+    naming the tool and, when it is not ``arguments``, the field (``key``) the model wrote them in."""
+    where = f' (in "{key}")' if key != "arguments" else ""
+    name = call.name or "the tool call"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            call.error = (f"the arguments of {name}{where} are not valid JSON ({exc.msg} at line {exc.lineno} column "
+                          f"{exc.colno}); expected a JSON object")
+            return call
+    if not isinstance(value, dict):
+        call.error = f"the arguments of {name}{where} must be a JSON object, got {type(value).__name__}"
+        return call
+    call.arguments = value
+    return call
+
+
+def call_from_object(obj: Any, expected: str, arguments_keys: tuple[str, ...] = ("arguments",),
+                     id_key: str | None = None) -> ToolCall:
+    """A call from a decoded JSON object ``{"name": ..., "<arguments key>": ..., "<id key>": ...}`` (Llama's
+    ``parameters``, Mistral's ``id``); ``expected`` describes the form for the error of a wrong object."""
+    call = ToolCall("", {})
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        call.error = f'each tool call must be a JSON object with a string "name"; {expected}'
+        return call
+    call.name = obj["name"]
+    if id_key is not None and isinstance(obj.get(id_key), str):
+        call.id = obj[id_key]
+    key = next((k for k in arguments_keys if k in obj), arguments_keys[0])
+    return set_arguments(call, obj.get(key, {}), key)
 
 
 @dataclass

@@ -16,10 +16,10 @@ The three share a vocabulary, so only their tokenizers' own chat templates tell 
 
 from __future__ import annotations
 
-import json
 import re
 
 from miles.agentic.chat_format import ChatFormat, ThinkTagReasoning
+from miles.agentic.tool_calls import set_arguments
 from miles.agentic.types import ToolCall
 
 EOS = "<｜end▁of▁sentence｜>"
@@ -98,16 +98,7 @@ class SectionToolParser:
 
     @staticmethod
     def _arguments(raw: str, call: ToolCall) -> None:
-        try:
-            arguments = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            call.error = f"the arguments of {call.name or 'the tool call'} are not valid JSON ({exc})"
-            return
-        if not isinstance(arguments, dict):
-            call.error = (f"the arguments of {call.name or 'the tool call'} must be a JSON object, "
-                          f"got {type(arguments).__name__}")
-            return
-        call.arguments = arguments
+        set_arguments(call, raw)
 
 
 class DeepSeekV3Parser(SectionToolParser):

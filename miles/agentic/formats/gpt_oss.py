@@ -12,11 +12,11 @@ template renders a final answer ending ``<|return|>`` in the history too (the to
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
 from miles.agentic.chat_format import ChatFormat, ReasoningSplit
+from miles.agentic.tool_calls import set_arguments
 from miles.agentic.types import ToolCall
 
 __all__ = ["GPT_OSS", "HarmonyMessage", "HarmonyReasoning", "HarmonyToolParser", "harmony_messages"]
@@ -126,17 +126,7 @@ class HarmonyToolParser:
             if message.body is None:
                 call.error = f"the call to {message.recipient} has no <|message|> with its arguments"
             else:
-                try:
-                    arguments = json.loads(message.body) if message.body.strip() else {}
-                except json.JSONDecodeError as exc:
-                    call.error = (f"the arguments of the call to {message.recipient} are not valid JSON ({exc.msg} at "
-                                  f"line {exc.lineno} column {exc.colno}); expected a JSON object")
-                else:
-                    if isinstance(arguments, dict):
-                        call.arguments = arguments
-                    else:
-                        call.error = (f"the arguments of the call to {message.recipient} must be a JSON object, got "
-                                      f"{type(arguments).__name__}")
+                set_arguments(call, message.body)
             calls.append(call)
         return calls
 

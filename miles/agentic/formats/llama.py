@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from miles.agentic.chat_format import ChatFormat
+from miles.agentic.tool_calls import call_from_object
 from miles.agentic.types import ToolCall
 
 __all__ = ["LLAMA3", "Llama3JsonParser"]
@@ -75,23 +76,7 @@ class Llama3JsonParser:
 
 
 def _call(obj: Any) -> ToolCall:
-    call = ToolCall("", {})
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        call.error = f'the tool call must be a JSON object with a string "name"; {_EXPECTED}'
-        return call
-    call.name = obj["name"]
-    arguments = obj.get("parameters", obj.get("arguments", {}))
-    if isinstance(arguments, str):  # arguments sent as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as exc:
-            call.error = f'"parameters" is a string that is not valid JSON ({exc})'
-            return call
-    if not isinstance(arguments, dict):
-        call.error = f'"parameters" must be a JSON object, got {type(arguments).__name__}'
-        return call
-    call.arguments = arguments
-    return call
+    return call_from_object(obj, _EXPECTED, arguments_keys=("parameters", "arguments"))
 
 
 LLAMA3 = ChatFormat(

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from miles.agentic.chat_format import ChatFormat
+from miles.agentic.tool_calls import call_from_object
 from miles.agentic.types import ToolCall
 
 __all__ = ["MISTRAL_V3", "MistralToolParser"]
@@ -57,25 +58,7 @@ class MistralToolParser:
 
 
 def _call(obj: Any) -> ToolCall:
-    call = ToolCall("", {})
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        call.error = f'each tool call must be a JSON object with a string "name"; {_EXPECTED}'
-        return call
-    call.name = obj["name"]
-    if isinstance(obj.get("id"), str):
-        call.id = obj["id"]
-    arguments = obj.get("arguments", {})
-    if isinstance(arguments, str):  # arguments sent as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as exc:
-            call.error = f'"arguments" is a string that is not valid JSON ({exc})'
-            return call
-    if not isinstance(arguments, dict):
-        call.error = f'"arguments" must be a JSON object, got {type(arguments).__name__}'
-        return call
-    call.arguments = arguments
-    return call
+    return call_from_object(obj, _EXPECTED, id_key="id")
 
 
 MISTRAL_V3 = ChatFormat(

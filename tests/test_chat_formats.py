@@ -301,3 +301,41 @@ def test_the_guide_s_chat_format_plugin_registers_and_renders(chat_model_dir):
     conversation = Conversation(bound, [{"role": "user", "content": "2+2?"}])
     assert bound.tokenizer.decode(conversation.prompt_ids).endswith("<|im_start|>assistant\n")
     assert [c.arguments for c in bound.tool_parser.parse("```python\nprint(4)\n```")] == [{"code": "print(4)\n"}]
+
+
+def test_the_session_server_reads_calls_written_in_special_tokens_through_the_openai_client():
+    """DeepSeek-V3 writes its calls in special tokens: the session server parses them with the format's parser and
+    answers OpenAI's client with tool_calls; the recorded tokens are the generated ones."""
+    import aiohttp
+    from openai import AsyncOpenAI
+
+    from miles.session.server import SessionServer
+
+    fmt = _bound("deepseek_v3")
+    tokenizer = fmt.tokenizer
+    call = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n"
+            "```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    engine = Turns(tokenizer, [call], eot="<｜end▁of▁sentence｜>")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+    async def main():
+        server = SessionServer(engine, tokenizer, fmt.tool_parser, {"max_new_tokens": 64}, 4096, chat_format=fmt)
+        url = await server.start()
+        try:
+            async with aiohttp.ClientSession() as http, http.post(f"{url}/sessions", json={}) as resp:
+                sid = (await resp.json())["id"]
+            async with AsyncOpenAI(base_url=f"{url}/sessions/{sid}/v1", api_key="unused") as client:
+                answer = await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools)
+            return answer, server.sessions[sid]
+        finally:
+            await server.stop()
+
+    answer, session = asyncio.run(main())
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [tool_call] = choice.message.tool_calls
+    assert (tool_call.function.name, json.loads(tool_call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert session.response_ids == tokenizer.encode(call, add_special_tokens=False) + [engine.eot]
+    assert set(fmt.stop_ids) <= set(engine.requests[0][1]["stop_token_ids"])

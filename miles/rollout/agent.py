@@ -63,7 +63,7 @@ class Agent:
         shared = self._servers.get(key)
         if shared is None:
             server = SessionServer(ctx.engine, ctx.tokenizer, ctx.tool_parser or HermesParser(), ctx.sampling_params,
-                                   ctx.context_length)
+                                   ctx.context_length, chat_format=ctx.chat_format)
             shared = self._servers[key] = _Shared(server, asyncio.ensure_future(server.start()))
         shared.users += 1
         session = None

@@ -88,8 +88,12 @@ class SessionServer:
     ``context_length`` defaults to the engine's."""
 
     def __init__(self, engine: Any, tokenizer: Any, tool_parser: Any, sampling_params: dict[str, Any] | None = None,
-                 context_length: int | None = None, *, allowed_hosts: tuple[str, ...] = ()) -> None:
-        if getattr(tokenizer, "chat_template", None) is None:
+                 context_length: int | None = None, *, allowed_hosts: tuple[str, ...] = (),
+                 chat_format: Any = None) -> None:
+        # chat_format: the run's BoundFormat (template, its kwargs, stop ids); None: the builtin format the tokenizer
+        # speaks, with its own template
+        self.chat_format = chat_format
+        if chat_format is None and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; the session server renders messages with one "
                              "(set model.tokenizer.chat_template, e.g. chatml_tools, for a built tokenizer)")
         self.engine, self.tokenizer, self.tool_parser = engine, tokenizer, tool_parser
@@ -173,7 +177,10 @@ class SessionServer:
                            code="engine_aborted")
         ids = list(answer["output_ids"])
         logprobs = [float(t[0]) for t in meta["output_token_logprobs"]]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        # what the tool parser reads: the turn with its special tokens (some families write calls in them), less the
+        # token it stopped at
+        body = ids[:-1] if ids and ids[-1] in conversation.format.stop_ids else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
         turn = session.turns + 1
         message, checked = assistant_turn(text, self.tool_parser, request.tools, f"call_{turn}_")
 
@@ -186,7 +193,7 @@ class SessionServer:
         # one per completion; a completion that a weight update landed in (in_place) adds each version
         versions = [int(v) for v in meta.get("output_token_weight_versions") or [meta["weight_version"]]]
         session.weight_versions += [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
-        session.turns, session.last_text = turn, text
+        session.turns, session.last_text = turn, self.tokenizer.decode(ids, skip_special_tokens=True)
         session.turn_closed = bool(ids) and ids[-1] == conversation.eot_id
         conversation.add_policy_turn(message)
         stats = session.tool_stats
@@ -213,7 +220,7 @@ class SessionServer:
         holds its messages (appended to the session's; the caller removes them if the completion fails)."""
         try:
             if session.conversation is None:
-                conversation = Conversation(self.tokenizer, request.messages, request.tools)
+                conversation = Conversation(self.chat_format or self.tokenizer, request.messages, request.tools)
                 return list(conversation.prompt_ids), conversation
             conversation = session.conversation
             if request.tools != session.tools:

@@ -218,11 +218,14 @@ def finish_step(c: Components, metrics: dict[str, float], start: float) -> dict[
     return metrics
 
 
-def sft_samples(prompts: list[Prompt], tokenizer: Any, messages_key: str | None = None) -> list[Sample]:
+def sft_samples(prompts: list[Prompt], tokenizer: Any, messages_key: str | None = None,
+                chat_format: Any = None) -> list[Sample]:
     """Prompt/label pairs as samples whose response is the label followed by EOS; with ``messages_key``,
-    the conversation in that column of each row instead (:func:`conversation_sample`)."""
+    the conversation in that column of each row instead (:func:`conversation_sample`, rendered in
+    ``chat_format`` when given, else in the builtin format the tokenizer speaks)."""
     if messages_key:
-        return [conversation_sample(p, tokenizer, p.extra.get(messages_key), messages_key) for p in prompts]
+        return [conversation_sample(p, chat_format or tokenizer, p.extra.get(messages_key), messages_key)
+                for p in prompts]
     samples = []
     for prompt in prompts:
         sample = Sample(prompt_ids=list(prompt.prompt_ids), prompt=prompt.prompt, label=prompt.label, reward=0.0)
@@ -261,9 +264,10 @@ def conversation_sample(prompt: Prompt, tokenizer: Any, messages: Any, key: str 
 
 
 def sft_step(data: PromptSource, tokenizer: Any, batch_size: int, backend: Any, loss_fn: Callable, pad_token_id: int,
-             messages_key: str | None = None) -> dict[str, float]:
+             messages_key: str | None = None, chat_format: Any = None) -> dict[str, float]:
     start = time.perf_counter()
-    batch = TrainBatch.from_samples(sft_samples(data.next(batch_size), tokenizer, messages_key), pad_token_id)
+    batch = TrainBatch.from_samples(sft_samples(data.next(batch_size), tokenizer, messages_key, chat_format),
+                                    pad_token_id)
     metrics = backend.train_step(batch, loss_fn)
     metrics["time/step_s"] = time.perf_counter() - start
     interrupts.check()

@@ -355,7 +355,7 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
         policy = data_cfg.overlong_prompts
         train_prompts, dropped = _fit_context(train_prompts, train_path, room, context, policy)
         if config.sft.steps > 0 and config.sft.messages_key:
-            _check_traces(train_prompts, tokenizer, config.sft.messages_key, train_path, context)
+            _check_traces(train_prompts, bound_format or tokenizer, config.sft.messages_key, train_path, context)
         eval_prompts: list[Prompt] = []
         dropped_eval = 0
         if eval_path and run_cfg.eval_size > 0 and run_cfg.steps > 0:

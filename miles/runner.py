@@ -175,7 +175,7 @@ def _sft_phase(run: _Run, model_path: str) -> str:
     with progress(config.sft.steps, "sft", config.run.progress) as bar:
         for _ in range(config.sft.steps):
             metrics = sft_step(data, run.tokenizer, config.sft.batch_size, backend, loss, run.pad_token_id,
-                               config.sft.messages_key)
+                               config.sft.messages_key, run.chat_format)
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", step_s=f"{metrics['time/step_s']:.2f}", refresh=False)
             bar.update()
     out = str(run.run_dir / "sft_model")

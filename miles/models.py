@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from miles.errors import ConfigError
 
-__all__ = ["build_char_tokenizer", "build_model_dir", "load_model", "load_tokenizer", "save_pretrained"]
+__all__ = ["build_char_tokenizer", "build_model_dir", "exact_logprobs", "load_model", "load_tokenizer", "save_pretrained"]
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
@@ -207,3 +207,25 @@ def load_critic(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrai
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(_check_dir(path))
+
+
+def exact_logprobs(model: PreTrainedModel, input_ids: Sequence[int] | torch.Tensor, *, length: int, pad_token_id: int,
+                   with_entropy: bool = False):
+    """``[n - 1]`` log p(input_ids[t + 1] | input_ids[:t + 1]) of one sequence of ``n`` tokens, computed the same way
+    whatever else is being computed: alone (batch of one), right-padded to ``length`` positions (the context length)
+    with causal attention only. Every call has the same shapes and runs the same kernels, and a position's result
+    depends only on the tokens at and before it (later positions get exactly zero attention), so the rollout engine
+    and the trainer get bit-identical log-probs for the same tokens and weights (``rollout.true_on_policy``).
+    With ``with_entropy``, also the entropy of each predicted distribution. Differentiable when grad is enabled."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    n = int(ids.numel())
+    if not 2 <= n <= length:
+        raise ValueError(f"exact_logprobs: a sequence of {n} tokens; expected 2 to {length} (the context length)")
+    device = next(model.parameters()).device
+    padded = torch.full((1, length), pad_token_id, dtype=torch.long, device=device)
+    padded[0, :n] = ids.to(device)
+    log_p = model(input_ids=padded, use_cache=False).logits[0, : n - 1].float().log_softmax(dim=-1)
+    logprobs = log_p.gather(1, ids[1:].to(device).unsqueeze(1)).squeeze(1)
+    if not with_entropy:
+        return logprobs
+    return logprobs, -(log_p.exp() * log_p).sum(dim=-1)

@@ -153,6 +153,8 @@ class _Run:
         return self.cluster
 
     def build_backend(self, **overrides: Any) -> Any:
+        if self.p.config.rollout.true_on_policy:  # log-probs as the engine computes them (rollout.true_on_policy)
+            overrides = {"exact_logprobs": True, **overrides}
         node = {**component_node(self.p.config.backend), **overrides}
         backend_cls = self.p.registry.get("backend", node["name"]).obj
         if not getattr(backend_cls, "uses_ray", False):
@@ -168,6 +170,8 @@ def _sft_phase(run: _Run, model_path: str) -> str:
     config, start = run.p.config, time.perf_counter()
     # SFT data has no engine routing to replay
     replay = {"routing_replay": False} if component_node(config.backend).get("routing_replay") else {}
+    if config.rollout.true_on_policy:  # SFT trains on data, not on the engine's samples: the usual batched forward
+        replay["exact_logprobs"] = False
     backend = run.build_backend(lr=float(config.sft.lr), **replay)
     backend.setup(model_path, seed=run.seed, total_steps=config.sft.steps)
     loss = run.p.build("loss", "sft.loss")
@@ -191,6 +195,8 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
     """One in-process engine, or ``num_engines`` engines served over HTTP by Ray actors behind a router."""
     p = run.p
     engine_args, extra = split_node(p.config.rollout.engine, "rollout.engine")
+    if p.config.rollout.true_on_policy:  # the engine answers with the log-probs the trainer computes, bit for bit
+        engine_args = {**engine_args, "exact_logprobs": True}
     num_engines = extra.get("num_engines", 0)
     if p.config.cluster.local_mode:
         instead = f"; one in-process engine instead of rollout.engine.num_engines={num_engines}" if num_engines else ""

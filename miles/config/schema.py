@@ -114,6 +114,9 @@ class RolloutConfig:
     return_routed_experts: bool = False
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     tito: TitoConfig = field(default_factory=TitoConfig)
+    # the engine's log-probs of sampled tokens bit-identical to the trainer's (dense models, the local engine):
+    # both compute them one sequence at a time at the context length (train/logprob_abs_diff_max is 0.0)
+    true_on_policy: bool = False
 
 
 @dataclass

@@ -215,12 +215,33 @@ def _agentic_problems(config: DictConfig, registry: Registry) -> list[str]:
             problems.append(f"rollout.tito.on_mismatch: split trains a trajectory's earlier parts with its mean "
                             f"advantage, which advantage {advantage!r} (per-token values) does not have; use "
                             f"retokenize or fail, or a sequence-level estimator (grpo, rloo, reinforce_pp, ...)")
+    if config.rollout.true_on_policy:
+        problems += _true_on_policy_problems(config, registry)
     choice = config.model.chat_format
     if choice != "auto":
         try:
             registry.get("chat_format", choice, where="model.chat_format")
         except ConfigError as exc:
             problems.append(f"{exc} (or auto: detected from the tokenizer)")
+    return problems
+
+
+def _true_on_policy_problems(config: DictConfig, registry: Registry) -> list[str]:
+    """``rollout.true_on_policy`` needs an engine and a backend that compute log-probs the exact way."""
+    problems = []
+    engine = component_node(config.rollout.engine)["name"]
+    if engine != "local":
+        problems.append(f"rollout.true_on_policy: needs the local engine (it computes the sampled tokens' log-probs as "
+                        f"the trainer does); rollout.engine is {engine!r}")
+    backend = component_node(config.backend)["name"]
+    try:
+        takes = "exact_logprobs" in inspect.signature(registry.get("backend", backend).obj).parameters
+    except (ConfigError, TypeError, ValueError):
+        takes = True  # reported with the backend node
+    if not takes:
+        problems.append(f"rollout.true_on_policy: backend {backend!r} has no exact_logprobs option; use torch or fsdp2")
+    if config.model.build.arch != "qwen3" and config.model.path is None:
+        problems.append(f"rollout.true_on_policy: dense models only; model.build.arch is {config.model.build.arch!r}")
     return problems
 
 

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from miles.engine.prefix_cache import PrefixCache
 from miles.engine.sampling import SamplingParams, sample_next
+from miles.models import exact_logprobs
 from miles.moe import encode_routed_experts, moe_layout, routing
 
 __all__ = ["ContinuousBatcher", "Request"]
@@ -62,8 +63,10 @@ class Request:
 class ContinuousBatcher:
     def __init__(self, model: Any, tokenizer: Any, *, context_length: int, pad_token_id: int, eos_token_id: int,
                  generator: torch.Generator, max_batch_size: int, version: Callable[[], int],
-                 background: bool = True, prefix_cache_tokens: int = 0) -> None:
+                 background: bool = True, prefix_cache_tokens: int = 0, exact_logprobs: bool = False) -> None:
         self.model, self.tokenizer = model, tokenizer
+        # rollout.true_on_policy: each answer's log-probs computed again as the trainer computes them (bit for bit)
+        self.exact_logprobs = exact_logprobs
         self.device = next(model.parameters()).device  # every tensor of the batch lives beside the weights
         self.context_length, self.pad, self.eos = context_length, pad_token_id, eos_token_id
         self.generator, self.max_batch_size, self.version = generator, max_batch_size, version
@@ -376,6 +379,16 @@ class ContinuousBatcher:
         for layer in self._cache.layers:
             layer.keys, layer.values = layer.keys[index, :, lead:], layer.values[index, :, lead:]
 
+    @torch.inference_mode()
+    def _rescore(self, r: Request, meta: dict[str, Any]) -> None:
+        """Replace the decode's log-probs of ``r``'s outputs with :func:`miles.models.exact_logprobs` over the prompt
+        and the outputs (the weights that sampled them: under the step lock); ``sampling_logprob_abs_diff_max`` says
+        how far the distribution the tokens were sampled from was from them (float rounding of the cached decode)."""
+        exact = exact_logprobs(self.model, r.prompt + r.output_ids, length=self.context_length,
+                               pad_token_id=self.pad)[len(r.prompt) - 1:].tolist()
+        meta["sampling_logprob_abs_diff_max"] = max(abs(a - b) for a, b in zip(exact, r.output_logprobs))
+        r.output_logprobs = exact
+
     def _answer(self, r: Request, text: str | None = None) -> dict[str, Any]:
         self.stats["requests_finished"] += 1
         n = len(r.output_ids)
@@ -389,6 +402,8 @@ class ContinuousBatcher:
         }
         if r.output_versions and r.output_versions[0] != r.output_versions[-1]:  # an update landed mid-request
             meta["output_token_weight_versions"] = list(r.output_versions)
+        if r.return_logprob and self.exact_logprobs and r.output_ids:
+            self._rescore(r, meta)
         if r.return_logprob:  # SGLang's [logprob, token_id, text] triples; the text is filled in on request
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
             if r.top_logprobs_num:

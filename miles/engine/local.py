@@ -32,9 +32,15 @@ class LocalEngine:
     accepts_lora_adapters = True
 
     def __init__(self, max_batch_size: int = 1024, seed: int = 0, background: bool = False,
-                 prefix_cache_tokens: int = 32768, device: str = "cpu", dtype: str = "float32") -> None:
+                 prefix_cache_tokens: int = 32768, device: str = "cpu", dtype: str = "float32",
+                 exact_logprobs: bool = False) -> None:
         """``device``: cpu, cuda (one GPU) or auto (cuda when torch sees one); ``dtype``: the weights' type
-        (float32, bfloat16 or float16; auto: bfloat16 on a GPU that supports it, else float32)."""
+        (float32, bfloat16 or float16; auto: bfloat16 on a GPU that supports it, else float32).
+        ``exact_logprobs``: answer with log-probs computed as the trainer computes them, bit for bit
+        (:func:`miles.models.exact_logprobs`; ``rollout.true_on_policy`` sets it)."""
+        if not isinstance(exact_logprobs, bool):
+            raise ValueError(f"exact_logprobs: expected true or false, got {exact_logprobs!r}")
+        self.exact_logprobs = exact_logprobs
         if not _is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens: expected an integer >= 0 (0: no prefix cache), "
                              f"got {prefix_cache_tokens!r}")
@@ -86,7 +92,7 @@ class LocalEngine:
             self.model, self.tokenizer, context_length=self.context_length, pad_token_id=pad,
             eos_token_id=self.tokenizer.eos_token_id, generator=torch.Generator(device).manual_seed(self.seed),
             max_batch_size=self.max_batch_size, version=lambda: self.weight_version, background=self.background,
-            prefix_cache_tokens=self.prefix_cache_tokens,
+            prefix_cache_tokens=self.prefix_cache_tokens, exact_logprobs=self.exact_logprobs,
         )
 
     def close(self) -> None:

@@ -59,6 +59,9 @@ class TrainOptions:
     # LoRA through peft: {rank, alpha, target_modules, dropout, sync}; only the adapters train (null: off).
     # Read as miles.train.lora.LoraOptions; docs/lora.md
     lora: Optional[dict] = None
+    # Log-probs one sequence at a time at the context length (miles.models.exact_logprobs), as an engine with
+    # exact_logprobs computes them: bit-identical to the rollout's (rollout.true_on_policy sets it; dense models)
+    exact_logprobs: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -72,6 +75,9 @@ class TrainOptions:
             problems.append(f"max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
         if self.logprob_chunk_tokens < 0:
             problems.append(f"logprob_chunk_tokens must be >= 0 (0: not chunked), got {self.logprob_chunk_tokens}")
+        if self.exact_logprobs and (self.logprob_chunk_tokens or self.routing_replay or self.lora):
+            problems.append("exact_logprobs (rollout.true_on_policy) computes log-probs one whole sequence at a time for "
+                            "a dense model without adapters: it cannot go with logprob_chunk_tokens, routing_replay or lora")
         if self.router_aux_loss_coef < 0:
             problems.append(f"router_aux_loss_coef must not be negative, got {self.router_aux_loss_coef}")
         if self.max_grad_norm < 0 or self.weight_decay < 0 or self.warmup_steps < 0 or self.critic_warmup_steps < 0:

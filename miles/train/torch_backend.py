@@ -13,7 +13,7 @@ import torch
 
 from miles.builtin.losses import value_loss
 from miles.errors import ConfigError
-from miles.models import load_critic, load_model, save_pretrained, save_state_dict
+from miles.models import exact_logprobs, load_critic, load_model, save_pretrained, save_state_dict
 from miles.train.backend import LossFn
 from miles.train.batching import normalizers, plan_batch
 from miles.train import lora
@@ -79,9 +79,28 @@ class Policy:
         return torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext()
 
     def _forward(self, model: torch.nn.Module, micro: TrainBatch, **kwargs: Any):
+        if self.options.exact_logprobs:
+            return self._exact_forward(model, micro, kwargs.get("with_entropy", False))
         with self._autocast():
             return token_logprobs(model, micro.input_ids.to(self.device), chunk_tokens=self.options.logprob_chunk_tokens,
                                   kernel=self.logprob_kernel, **kwargs)
+
+    def _exact_forward(self, model: torch.nn.Module, micro: TrainBatch, with_entropy: bool):
+        """``[B, L-1]`` log-probs (and entropy), each row by :func:`miles.models.exact_logprobs` (bit-identical to an
+        engine with ``exact_logprobs``, whatever the batch)."""
+        length = int(model.config.max_position_embeddings)
+        pad = int(getattr(model.config, "pad_token_id", None) or 0)
+        width = micro.input_ids.shape[1] - 1
+        rows = []
+        for ids, n in zip(micro.input_ids, micro.attention_mask.sum(dim=1).tolist()):
+            out = exact_logprobs(model, ids[:n], length=length, pad_token_id=pad, with_entropy=with_entropy)
+            parts = out if with_entropy else (out,)
+            rows.append([torch.nn.functional.pad(t, (0, width - t.shape[0])) for t in parts])
+        if not rows:
+            empty = torch.zeros((0, width), device=self.device)
+            return (empty, empty) if with_entropy else empty
+        stacked = [torch.stack(column) for column in zip(*rows)]
+        return tuple(stacked) if with_entropy else stacked[0]
 
     def _routing(self, model: torch.nn.Module, micro: TrainBatch, record: bool = False) -> Any:
         """The routing of one forward of ``model`` (the policy or the reference model, the same architecture) over
@@ -241,6 +260,9 @@ class Policy:
                     # How far the trainer's log-probs are from the engine's for the same tokens (0 when they agree).
                     gap = (logprobs - micro.rollout_logprobs.to(self.device)).abs()
                     totals["train/rollout_logprob_abs_diff"] += float((gap * mask).sum()) / normalizer
+                    if k == 0 and mask.any():  # before the first optimizer step: numerics alone (0.0 when exact)
+                        totals["train/logprob_abs_diff_max"] = max(totals.get("train/logprob_abs_diff_max", 0.0),
+                                                                   float(gap[mask > 0].max()))
                 totals["train/micro_batches"] += 1
             max_norm = self.options.max_grad_norm or float("inf")
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -267,6 +289,8 @@ class Policy:
 
 # Figures every rank reports whole (not its share), so they are not summed over ranks.
 _GLOBAL_KEYS = ("critic/grad_norm", "train/critic_warmup")
+# Maxima: the largest over ranks and mini-batches
+_MAX_KEYS = ("train/logprob_abs_diff_max",)
 
 
 def sum_over_ranks(per_rank: list[list[dict[str, float]]]) -> list[dict[str, float]]:
@@ -277,6 +301,8 @@ def sum_over_ranks(per_rank: list[list[dict[str, float]]]) -> list[dict[str, flo
             for key, value in totals.items():
                 if key in _GLOBAL_KEYS:
                     out[k].setdefault(key, value)
+                elif key in _MAX_KEYS:
+                    out[k][key] = max(out[k].get(key, value), value)
                 else:
                     out[k][key] = out[k].get(key, 0.0) + value
     return out
@@ -287,7 +313,10 @@ def combine_metrics(sums: list[dict[str, float]], norms: list[float], lr: float)
     metrics: dict[str, float] = defaultdict(float)
     for totals in sums:
         for key, value in totals.items():
-            metrics[key] += value if key in _COUNTS else value / len(sums)
+            if key in _MAX_KEYS:
+                metrics[key] = max(metrics.get(key, value), value)
+            else:
+                metrics[key] += value if key in _COUNTS else value / len(sums)
     metrics.setdefault("train/clip_frac", 0.0)  # losses without clipping clip nothing
     metrics["train/grad_norm"] = sum(norms) / len(norms)
     metrics["train/lr"] = lr

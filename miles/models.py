@@ -76,6 +76,24 @@ def read_chat_template(name_or_path: str, where: str = "model.tokenizer.chat_tem
     return path.read_text()
 
 
+def build_tokenizer(cfg) -> PreTrainedTokenizerBase:
+    """The tokenizer a ``model.tokenizer`` section describes: a char tokenizer, or a real BPE vocabulary
+    (:mod:`miles.vocabularies`) with the special and added tokens one token each."""
+    if cfg.kind == "char":
+        return build_char_tokenizer(cfg.alphabet, cfg.special_tokens, cfg.added_tokens, cfg.chat_template)
+    from miles.vocabularies import build_bpe_tokenizer
+
+    try:
+        tokenizer = build_bpe_tokenizer(cfg.kind, list(cfg.special_tokens), max_ranks=int(cfg.max_ranks))
+    except ValueError as exc:
+        raise ConfigError(f"model.tokenizer: {exc}") from exc
+    if cfg.added_tokens:
+        tokenizer.add_tokens([t for t in cfg.added_tokens if t not in tokenizer.get_vocab()])
+    if cfg.chat_template:
+        tokenizer.chat_template = read_chat_template(cfg.chat_template)
+    return tokenizer
+
+
 def _shared_fields(vocab_size: int, tokenizer: PreTrainedTokenizerBase, build) -> dict:
     return dict(
         vocab_size=vocab_size,
@@ -116,8 +134,7 @@ def build_model_dir(build, tokenizer_cfg, out_dir: str | Path, seed: int) -> Pat
     """Build a random-init model and a char tokenizer from config sections and save them."""
     if build.arch not in _ARCHS:
         raise ConfigError(f"model.build.arch: unknown architecture {build.arch!r}; known: {', '.join(_ARCHS)}")
-    tokenizer = build_char_tokenizer(tokenizer_cfg.alphabet, tokenizer_cfg.special_tokens, tokenizer_cfg.added_tokens,
-                                     tokenizer_cfg.chat_template)
+    tokenizer = build_tokenizer(tokenizer_cfg)
     config = _ARCHS[build.arch](len(tokenizer), tokenizer, build)
     with torch.random.fork_rng():
         torch.manual_seed(seed)

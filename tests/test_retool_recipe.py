@@ -69,3 +69,23 @@ def test_code_that_never_ends_comes_back_as_a_timeout(chat_model_dir):
     assert "<tool_response>\nerror: timed out after 1 s\n</tool_response>" in observations[0]
     assert "<tool_response>\n42\n\n</tool_response>" in observations[1]
     assert len(sample.metadata["exec_s"]) == 2
+
+
+def test_the_qwen3_recipe_runs_on_a_real_bpe_vocabulary_with_thinking(tmp_path):
+    """configs/retool_qwen3.yaml in miniature: a tiny model on Qwen's BPE ranks, Qwen3's format with reasoning in
+    every turn; the trajectories' turns parse (tool calls run) and nothing fails on the format."""
+    train(prepare("configs/retool_qwen3.yaml", [
+        f"run.dir={tmp_path}", "sft.steps=30", "sft.batch_size=16", "data.generator.direct_fraction=0.0", "run.steps=2",
+        "rollout.prompts_per_step=4", "rollout.n_samples=4", "run.eval_size=0", "run.progress=false",
+        "run.save_rollouts=true"]))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["samples/failed"] == 0 for r in rows)
+    assert all(r["rollout/tito_mismatch_frac"] == 0.0 for r in rows)
+    from miles.models import load_tokenizer
+    from miles.rollouts_io import read_step
+
+    tokenizer = load_tokenizer(tmp_path / "final_model")
+    assert len(tokenizer) == 8192 + 26 and tokenizer.convert_tokens_to_ids("<|im_end|>") == 8194
+    samples, _ = read_step(tmp_path / "rollouts" / "step_000001.npz")
+    text = tokenizer.decode(samples[0].prompt_ids + samples[0].response_ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>user\n") and "<|im_start|>assistant\n" in text

@@ -17,6 +17,7 @@ __all__ = ["PolicyTurn", "read_turn"]
 @dataclass
 class PolicyTurn:
     text: str  # the turn decoded without special tokens (what an env reads as the action's text)
+    answer: str  # the text without its reasoning (what a reward scores as the response)
     reasoning: str | None  # what the reasoning parser found (None: no reasoning in this turn)
     checked: CheckedCalls  # every call found, the unusable ones with their error
     message: Message  # the assistant message, in the shape the format's template reads
@@ -30,10 +31,12 @@ def read_turn(fmt: BoundFormat, token_ids: list[int], tools: list[dict[str, Any]
     ids = token_ids[:-1] if token_ids and token_ids[-1] in fmt.stop_ids else token_ids
     raw = tokenizer.decode(ids, skip_special_tokens=False)
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    reasoning, body = None, raw
+    reasoning, body, answer = None, raw, text
     if fmt.reasoning_parser is not None:
         split = fmt.reasoning_parser.split(raw)
         reasoning = split.reasoning
+        if reasoning is not None:
+            answer = _without_special_tokens(tokenizer, split.content)
         if fmt.format.reasoning_field:
             body = split.content
     parser = tool_parser or fmt.tool_parser
@@ -46,4 +49,10 @@ def read_turn(fmt: BoundFormat, token_ids: list[int], tools: list[dict[str, Any]
     for i, call in enumerate(checked.calls):
         if not call.id:
             call.id = fmt.format.call_id(first_call_index + i, call.name, seed)
-    return PolicyTurn(text, reasoning, checked, assistant_message(fmt.format, content, reasoning, checked.valid))
+    return PolicyTurn(text, answer, reasoning, checked, assistant_message(fmt.format, content, reasoning, checked.valid))
+
+
+def _without_special_tokens(tokenizer: Any, text: str) -> str:
+    for token in tokenizer.all_special_tokens:
+        text = text.replace(token, "")
+    return text

@@ -24,13 +24,15 @@ def addition(seed: int, max_operand: int = 9, eval_fraction: float = 0.2) -> dic
 
 
 def tool_arithmetic(seed: int, digits: int = 2, ops: str = "*", size: int = 2000, eval_fraction: float = 0.1,
-                    direct_fraction: float = 0.0) -> dict[str, list[dict]]:
+                    direct_fraction: float = 0.0, reasoning: bool = False) -> dict[str, list[dict]]:
     """Prompts ``"37*58="`` with label ``"2146"``: arithmetic a tiny model cannot do by itself but can by
     writing Python. Each row's ``messages`` is a trace for an SFT warm-up (``sft.messages_key:
     messages``): a python block that prints the result, the tool's output, the answer; in a
     ``direct_fraction`` of the rows, the answer alone (what the model cannot compute: it learns to guess,
-    and RL to prefer the tool). Train and eval pairs are disjoint.
+    and RL to prefer the tool). With ``reasoning``, every assistant turn opens with a short
+    ``<think>...</think>`` block, as a thinking model (Qwen3) writes it. Train and eval pairs are disjoint.
     """
+    think = (lambda why, text: f"<think>\n{why}\n</think>\n\n{text}") if reasoning else (lambda why, text: text)
     if digits < 1 or size < 2 or not 0 < eval_fraction < 1 or not 0 <= direct_fraction <= 1 or not ops \
             or set(ops) - set("+-*"):
         raise ValueError("expected digits >= 1, size >= 2, eval_fraction in (0, 1), direct_fraction in [0, 1], "
@@ -44,12 +46,12 @@ def tool_arithmetic(seed: int, digits: int = 2, ops: str = "*", size: int = 2000
             continue
         seen.add((a, op, b))
         expression, value = f"{a}{op}{b}", str(eval(f"{a}{op}{b}"))  # noqa: S307 (digits and an operator)
-        trace = [{"role": "assistant", "content": f"```python\nprint({expression})\n```"},
+        trace = [{"role": "assistant", "content": think("use python", f"```python\nprint({expression})\n```")},
                  {"role": "tool", "content": value + "\n"}]
-        if rng.random() < direct_fraction:
-            trace = []
+        direct = rng.random() < direct_fraction
+        answer = think("a guess" if direct else "the tool says", value)
         rows.append({"prompt": f"{expression}=", "label": value,
-                     "messages": [*trace, {"role": "assistant", "content": value}]})
+                     "messages": [*([] if direct else trace), {"role": "assistant", "content": answer}]})
     n_eval = max(1, round(len(rows) * eval_fraction))
     return {"eval": rows[:n_eval], "train": rows[n_eval:]}
 

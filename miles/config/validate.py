@@ -45,6 +45,8 @@ _RANGES: list[tuple[str, Any, str]] = [
     ("regularization.entropy_coef", lambda v: v >= 0, "a number >= 0"),
     ("regularization.kl_estimator", lambda v: v in ("k1", "k2", "k3"), "k1, k2 or k3"),
     ("regularization.kl_in", lambda v: v in ("loss", "reward"), "loss or reward"),
+    ("model.tokenizer.kind", lambda v: v in ("char", "qwen", "deepseek"), "char, qwen or deepseek"),
+    ("model.tokenizer.max_ranks", lambda v: v == 0 or v >= 256, "0 (the whole vocabulary) or at least 256"),
     ("data.chat_template", lambda v: v in ("auto", "true", "false", True, False), "auto, true or false"),
     ("data.overlong_prompts", lambda v: v in ("error", "drop"), "error or drop"),
     ("rollout.tito.on_mismatch", lambda v: v in ("fail", "split", "retokenize"), "fail, split or retokenize"),
@@ -330,8 +332,6 @@ def validate_config(config: DictConfig, registry: Registry) -> None:
         if not ok(value):
             problems.append(f"{key}: expected {expected}, got {value!r}")
     problems += _resource_problems(config.cluster) + _eval_problems(config.eval) + _distill_problems(config.distill)
-    if config.model.path is None and config.model.tokenizer.kind != "char":
-        problems.append(f"model.tokenizer.kind: only 'char' can be built locally, got {config.model.tokenizer.kind!r}")
     if config.data.train_path is None and config.data.generator is None:
         problems.append("data: set data.train_path (a JSONL or Parquet file) or data.generator (synthetic data)")
     if not problems:  # combinations are judged once each part is well-formed

@@ -158,7 +158,7 @@ class MultiTurn:
             turn = read_turn(conversation.format, turn_ids, trajectory.tools, tool_parser=ctx.tool_parser,
                              first_call_index=stats["calls"], seed=sample.metadata["trajectory"])
             text, checked = turn.text, turn.checked
-            sample.response_text = text
+            sample.response_text = turn.answer  # without its reasoning: what a reward scores
             valid = checked.valid
             stats["calls"] += len(checked.calls)
             stats["parse_errors"] += checked.parse_errors

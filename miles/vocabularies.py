@@ -112,8 +112,8 @@ def _base(vocabulary: str) -> str:
 
 def build_bpe_tokenizer(vocabulary: str, special_tokens: Sequence[str] = (), chat_template: str | None = None,
                         max_ranks: int = 0) -> Any:
-    """A fast tokenizer on a real BPE vocabulary, with ``special_tokens`` added (one token each, dropped by
-    ``skip_special_tokens``) where the vocabulary lacks them, and ``chat_template`` (Jinja text) set.
+    """A fast tokenizer on a real BPE vocabulary, with ``special_tokens`` one special token each (added where the
+    vocabulary lacks them, dropped by ``skip_special_tokens``), and ``chat_template`` (Jinja text) set.
 
     ``max_ranks > 0`` keeps the vocabulary's first ``max_ranks`` tokens and the merges that make them (a
     byte-level BPE stays complete: every byte is among the first 256 ranks); the vocabulary's special tokens
@@ -137,8 +137,9 @@ def build_bpe_tokenizer(vocabulary: str, special_tokens: Sequence[str] = (), cha
     else:
         tokenizer = PreTrainedTokenizerFast(**source, bos_token="<｜begin▁of▁sentence｜>",
                                             eos_token="<｜end▁of▁sentence｜>", pad_token="<｜▁pad▁｜>")
-    have = tokenizer.get_vocab()
-    new = [t for t in dict.fromkeys(special_tokens) if t not in have]
+    # one token each and special (dropped by skip_special_tokens), also where the vocabulary has the text as an
+    # ordinary token (Qwen's ranks hold "</s>"): it keeps its id
+    new = [t for t in dict.fromkeys(special_tokens) if t not in tokenizer.all_special_tokens]
     if new:
         tokenizer.add_special_tokens({"additional_special_tokens": new}, replace_extra_special_tokens=False)
     if chat_template is not None:

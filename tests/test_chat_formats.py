@@ -339,3 +339,28 @@ def test_the_session_server_reads_calls_written_in_special_tokens_through_the_op
     assert (tool_call.function.name, json.loads(tool_call.function.arguments)) == ("get_weather", {"city": "Paris"})
     assert session.response_ids == tokenizer.encode(call, add_special_tokens=False) + [engine.eot]
     assert set(fmt.stop_ids) <= set(engine.requests[0][1]["stop_token_ids"])
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_every_format_s_stop_tokens_reach_the_engine_and_its_turn_ends_the_trajectory(name):
+    fmt = _bound(name)
+    tokenizer = fmt.tokenizer
+    stop = fmt.format.end_of_turn[0]
+    engine = Turns(tokenizer, ["It is sunny."], eot=stop)
+
+    class OneTurn(GuessEnv):
+        async def step(self, action):
+            from miles.agentic.types import StepResult
+
+            return StepResult(done=True)
+
+    ctx = RolloutContext(engine=engine, tokenizer=tokenizer, sampling_params={"max_new_tokens": 16,
+                                                                               "stop_token_ids": [7]},
+                         env=OneTurn, chat_format=fmt)
+    sample = Sample(prompt_ids=[], prompt="Weather?")
+    asyncio.run(MultiTurn()(sample, ctx))
+    assert sample.status == SampleStatus.COMPLETED, sample.reason
+    sent = set(engine.requests[0][1]["stop_token_ids"])
+    wanted = {tokenizer.convert_tokens_to_ids(t) for t in fmt.format.all_stop_tokens} | {tokenizer.eos_token_id, 7}
+    assert wanted <= sent, (name, wanted - sent)
+    assert sample.response_text.strip() == "It is sunny."

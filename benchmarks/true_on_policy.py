@@ -17,9 +17,8 @@ from statistics import fmean
 
 import torch
 
+from _common import CONFIG
 from miles.runner import prepare, train
-
-CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml")
 
 
 def run(root: Path, name: str, steps: int, true_on_policy: bool) -> tuple[float, float]:

@@ -141,8 +141,9 @@ def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[st
     owners = [(i, seg) for i, s in enumerate(train_samples) for seg in s.segments]
     for i, segment in owners:
         segment.reward = train_samples[i].reward
+    rows = train_samples + [seg for _, seg in owners]
     if c.mask_off_policy:
-        for sample in train_samples + [seg for _, seg in owners]:
+        for sample in rows:
             sample.mask_off_policy()
     if c.save_rollouts is not None:  # before training: a step that fails to train is kept to replay
         c.save_rollouts(step, train_samples)
@@ -150,7 +151,7 @@ def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[st
     trains = bool(train_samples) and not c.rollout_only
     if trains:
         logprob_start = time.perf_counter()  # the forward passes before the update: reference, values, teacher
-        batch = TrainBatch.from_samples(train_samples + [seg for _, seg in owners], c.pad_token_id)
+        batch = TrainBatch.from_samples(rows, c.pad_token_id)
         if c.kl_reward_coef:
             kl = kl_estimate(batch.rollout_logprobs, c.backend.ref_logprobs(batch), c.kl_estimator) * batch.loss_mask
             batch.kl_penalty = c.kl_reward_coef * kl
@@ -177,7 +178,7 @@ def train_groups(c: Components, step: int, groups: list[Group], metrics: dict[st
         metrics["train/tokens_per_s"] = int(batch.attention_mask.sum()) / train_s
     else:
         metrics["train/tokens_per_s"] = 0.0
-    metrics["train/samples"] = len(train_samples) + len(owners)
+    metrics["train/samples"] = len(rows)
     metrics["time/train_s"] = train_s
     metrics["time/logprob_s"] = logprob_s
     metrics["time/advantage_s"] = advantage_s

@@ -282,7 +282,7 @@ def run_tokenizer(p: Any, model_path: str) -> Any:
     return tokenizer
 
 
-def chat_format(p: Any, tokenizer: Any, model_path: str, quiet: bool = False) -> Any:
+def chat_format(p: Any, tokenizer: Any, model_path: str) -> Any:
     """``model.chat_format`` bound to the tokenizer (None when ``auto`` finds none), printed at start.
 
     The format's stop tokens are sent with every request of a trajectory, with the EOS ids of the checkpoint's
@@ -302,9 +302,8 @@ def chat_format(p: Any, tokenizer: Any, model_path: str, quiet: bool = False) ->
                      build_parser=lambda kind, name: p.registry.build(kind, {"name": name}, f"chat format {fmt.name}"))
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"model.chat_format: {exc}") from exc
-    if not quiet:
-        stops = ", ".join(tokenizer.convert_ids_to_tokens(list(bound.stop_ids)))
-        print(f"{line}; stop tokens {stops}", file=sys.stderr)
+    stops = ", ".join(tokenizer.convert_ids_to_tokens(list(bound.stop_ids)))
+    print(f"{line}; stop tokens {stops}", file=sys.stderr)
     return bound
 
 

@@ -37,7 +37,6 @@ from miles.evaluation import evaluate_sets
 from miles.loop import Components, evaluate, sft_step
 from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
-from miles.agentic.tool_calls import HermesParser
 from miles.preflight import batch_arithmetic, chat_format, context_length, eval_inputs, preflight
 from miles.progress import progress
 from miles.rollouts_io import RolloutWriter
@@ -252,7 +251,8 @@ def _agentic_parts(run: _Run, model_path: str, plane: RolloutPlane) -> dict[str,
     parts: dict[str, Any] = {
         "context_length": context_length(model_path),
         "tool_parser": p.build("tool_parser", "rollout.tool_parser") if rollout.tool_parser is not None else
-        run.chat_format.tool_parser if run.chat_format is not None else HermesParser(),
+        run.chat_format.tool_parser if run.chat_format is not None else
+        p.registry.build("tool_parser", {"name": "hermes"}, "rollout.tool_parser"),
         "chat_format": run.chat_format,
         "tito_on_mismatch": str(rollout.tito.on_mismatch),
         "tool": lambda name: resolve_tool(p.registry, name, "rollout.env.tools"),

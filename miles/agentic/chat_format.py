@@ -246,25 +246,19 @@ def assistant_message(fmt: ChatFormat, content: str, reasoning: str | None, call
 
 def builtin_formats() -> dict[str, ChatFormat]:
     """The builtin formats by name (without a plugin manager: for code that has only a tokenizer)."""
-    import importlib
+    from miles.agentic import formats
 
-    from miles.agentic.formats import FAMILIES
-
-    return {f.name: f for family in FAMILIES for f in importlib.import_module(f"miles.agentic.formats.{family}").FORMATS}
+    return {f.name: f for f in formats.formats()}
 
 
 def _builtin_parser(kind: str, name: str) -> Any:
-    import importlib
-
-    from miles.agentic.formats import FAMILIES
+    """A builtin parser of ``kind`` by name, without a plugin manager (what the builtin plugins register)."""
+    from miles.agentic import formats
     from miles.agentic.tool_calls import HermesParser, PythonBlockParser
 
-    factories: dict[str, Any] = {"hermes": HermesParser, "python_block": PythonBlockParser} if kind == "tool_parser" else \
-        {"think": ThinkTagReasoning}
-    for family in FAMILIES:
-        module = importlib.import_module(f"miles.agentic.formats.{family}")
-        factories.update(module.TOOL_PARSERS if kind == "tool_parser" else module.REASONING_PARSERS)
-    return factories[name]()
+    generic: dict[str, Any] = {"hermes": HermesParser, "python_block": PythonBlockParser} \
+        if kind == "tool_parser" else {"think": ThinkTagReasoning}
+    return {**generic, **formats.parsers(kind)}[name]()
 
 
 def generic_format(tokenizer: Any) -> ChatFormat:

@@ -11,7 +11,7 @@ from miles.agentic.chat_format import BoundFormat, assistant_message
 from miles.agentic.tool_calls import CheckedCalls, check_calls
 from miles.agentic.types import Message
 
-__all__ = ["PolicyTurn", "read_turn"]
+__all__ = ["PolicyTurn", "read_turn", "turn_source"]
 
 
 @dataclass
@@ -23,13 +23,19 @@ class PolicyTurn:
     message: Message  # the assistant message, in the shape the format's template reads
 
 
+def turn_source(fmt: BoundFormat, token_ids: list[int]) -> str:
+    """What the parsers read of a generated turn: its text with special tokens (some families write calls in
+    them), less the stop token it ended with."""
+    ids = token_ids[:-1] if token_ids and token_ids[-1] in fmt.stop_ids else token_ids
+    return fmt.tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def read_turn(fmt: BoundFormat, token_ids: list[int], tools: list[dict[str, Any]] | None, *, tool_parser: Any = None,
               first_call_index: int = 0, seed: str = "") -> PolicyTurn:
     """Read a generated turn. ``tool_parser`` overrides the format's; calls the text gives no id get
     ``fmt.format.call_id(first_call_index + i, ...)``. Without ``tools`` no call is parsed."""
     tokenizer = fmt.tokenizer
-    ids = token_ids[:-1] if token_ids and token_ids[-1] in fmt.stop_ids else token_ids
-    raw = tokenizer.decode(ids, skip_special_tokens=False)
+    raw = turn_source(fmt, token_ids)
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     reasoning, body, answer = None, raw, text
     if fmt.reasoning_parser is not None:

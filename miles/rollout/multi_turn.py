@@ -205,11 +205,11 @@ class MultiTurn:
             sample.fail(f"rollout: {exc} (rollout.tito.on_mismatch=fail; split or retokenize go on)")
             return None
         rendered = conversation.resync(messages)
-        held = sample.prompt_ids + sample.response_ids
         if on_mismatch == "split":
             stats["splits"] += 1
             sample.split(rendered, reason=f"rollout.tito: split after turn {sample.turns}: {exc}")
             return []
+        held = sample.prompt_ids + sample.response_ids
         same = next((i for i, (a, b) in enumerate(zip(held, rendered)) if a != b), min(len(held), len(rendered)))
         if same < len(sample.prompt_ids):
             sample.fail(f"rollout: {exc}; rollout.tito.on_mismatch=retokenize cannot re-render a changed prompt")

@@ -31,6 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from miles.agentic.chat import Conversation, NotAppendOnly
+from miles.agentic.turns import turn_source
 from miles.engine.http_guard import LOOPBACK, POLICY, Policy, Refused, error_answer, guard, json_answer, json_body
 from miles.rollout.multi_turn import TOOL_STATS
 from miles.session.openai_api import (
@@ -177,10 +178,7 @@ class SessionServer:
                            code="engine_aborted")
         ids = list(answer["output_ids"])
         logprobs = [float(t[0]) for t in meta["output_token_logprobs"]]
-        # what the tool parser reads: the turn with its special tokens (some families write calls in them), less the
-        # token it stopped at
-        body = ids[:-1] if ids and ids[-1] in conversation.format.stop_ids else ids
-        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        text = turn_source(conversation.format, ids)
         turn = session.turns + 1
         message, checked = assistant_turn(text, self.tool_parser, request.tools, f"call_{turn}_")
 

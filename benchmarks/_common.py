@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from statistics import fmean
 
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml")
 ROLLING = 10

@@ -19,7 +19,7 @@ from miles.agentic.chat_check import SCENARIOS, TOOLS, scenario_messages
 from miles.agentic.chat_format import bind
 from miles.agentic.turns import read_turn
 from miles.testing import make_registry
-from miles.vocabularies import build_bpe_tokenizer
+from miles.models.vocabularies import build_bpe_tokenizer
 
 
 def per_turn_ms(bound, repeats: int) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml")
 

@@ -18,11 +18,11 @@ import torch
 
 from miles.engine import LocalEngine
 from miles.rollout.plane import RolloutPlane
-from miles.rollout.router import Router
+from miles.engine.router import Router
 from miles.testing import build_tiny_model, make_train_batch
 from miles.builtin.losses import ppo_clip
 from miles.train.torch_backend import TorchBackend
-from miles.train.weight_sync import InProcessTransport, SharedMemoryTransport, TensorTransport
+from miles.weights.transports import InProcessTransport, SharedMemoryTransport, TensorTransport
 
 from weight_sync import start_server, timed  # noqa: E402  (benchmarks/ is the script's folder)
 

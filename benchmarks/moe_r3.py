@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from miles.engine.local import LocalEngine
-from miles.models import load_model, load_tokenizer
-from miles.moe import routing
+from miles.models.hf import load_model, load_tokenizer
+from miles.models.moe import routing
 from miles.rollout.context import RolloutContext
 from miles.rollout.single_turn import single_turn
 from miles.testing import build_tiny_model

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from miles.models import load_tokenizer
-from miles.rollouts_io import read_step, saved_steps
+from miles.models.hf import load_tokenizer
+from miles.loop.saved_rollouts import read_step, saved_steps
 
 
 def policy_turns(sample) -> list[list[int]]:

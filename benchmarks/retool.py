@@ -20,14 +20,14 @@ import torch
 
 from miles.agentic.tool_calls import PythonBlockParser
 from miles.builtin.rewards import exact_match
-from miles.builtin.sandboxes import LocalSandbox
-from miles.builtin.tools import ToolEnv, execute_python_code
+from miles.sandboxes.local import LocalSandbox
+from miles.agentic.tool_env import ToolEnv, execute_python_code
 from miles.engine import LocalEngine
-from miles.loop import evaluate
+from miles.loop.step import evaluate
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import encode_rows, read_rows
 from miles.rollout.multi_turn import MultiTurn
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "retool.yaml")
 

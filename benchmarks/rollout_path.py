@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from miles.engine import LocalEngine
-from miles.rollout.router import Router
+from miles.engine.router import Router
 from miles.testing import build_tiny_model, serve_engine
 
 PROMPTS, SAMPLES = 16, 8

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
-from miles.rollout.router import Router
+from miles.engine.router import Router
 from miles.testing import build_tiny_model
 
 BODY = {"input_ids": [4, 13, 5, 14], "sampling_params": {"max_new_tokens": 1}, "return_logprob": True}

@@ -18,7 +18,7 @@ from statistics import fmean
 import torch
 
 from _common import CONFIG
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 
 
 def run(root: Path, name: str, steps: int, true_on_policy: bool) -> tuple[float, float]:

@@ -23,10 +23,10 @@ import torch
 
 from miles.engine import LocalEngine
 from miles.rollout.plane import RolloutPlane
-from miles.rollout.router import Router
+from miles.engine.router import Router
 from miles.testing import build_tiny_model
 from miles.train.torch_backend import TorchBackend
-from miles.train.weight_sync import (
+from miles.weights.transports import (
     DiskTransport, DistributedTransport, InProcessTransport, SharedMemoryTransport, TensorTransport,
 )
 

@@ -17,7 +17,7 @@ __all__ = ["main"]
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from miles.runner import prepare, train
+    from miles.run.runner import prepare, train
 
     with interrupts.handling():
         train(prepare(args.config, args.overrides))
@@ -26,7 +26,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     """The eval section's datasets on a trained model: one line per metric, or JSON."""
-    from miles.runner import evaluate_model, prepare
+    from miles.run.runner import evaluate_model, prepare
 
     with interrupts.handling():
         metrics = evaluate_model(prepare(args.config, args.overrides), args.model)
@@ -43,8 +43,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     """The resolved config, after every check ``miles train`` makes before it starts (nothing is written)."""
     from omegaconf import OmegaConf
 
-    from miles.preflight import preflight
-    from miles.runner import plugin_stack, prepare
+    from miles.run.preflight import preflight
+    from miles.run.runner import plugin_stack, prepare
 
     p = prepare(args.config, args.overrides)
     preflight(p, plugin_stack(p.pm, p.registry)).discard()
@@ -55,7 +55,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_plugins(args: argparse.Namespace) -> int:
     from miles.plugins import build_plugin_manager
     from miles.registry import Registry
-    from miles.runner import plugin_stack
+    from miles.run.runner import plugin_stack
 
     pm = build_plugin_manager()
     stack = plugin_stack(pm, Registry.from_plugin_manager(pm))
@@ -73,7 +73,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from miles.report import write_report
+    from miles.run.report import write_report
 
     report = write_report(args.run_dir, args.out)
     print(f"wrote {len(report.plots)} plot(s) and {report.index}")
@@ -83,7 +83,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from miles.replay import replay
+    from miles.run.replay import replay
 
     with interrupts.handling():
         replay(args.run_dir, args.overrides, out=args.out, steps=args.steps, overwrite=args.overwrite)
@@ -136,7 +136,7 @@ def _cmd_chat_format_check(args: argparse.Namespace) -> int:
 
     from miles.agentic.chat_check import check_format
     from miles.agentic.chat_format import bind, generation_eos_ids, resolve
-    from miles.models import read_chat_template
+    from miles.models.hf import read_chat_template
     from miles.plugins import build_plugin_manager
     from miles.registry import Registry
 
@@ -160,7 +160,7 @@ def _cmd_chat_format_check(args: argparse.Namespace) -> int:
         except Exception as exc:
             raise ConfigError(f"{args.path!r}: cannot load a tokenizer from it: {type(exc).__name__}: {exc}") from exc
     elif args.vocabulary is not None:
-        from miles.vocabularies import build_bpe_tokenizer
+        from miles.models.vocabularies import build_bpe_tokenizer
 
         if args.chat_format == "auto":
             raise ConfigError("--vocabulary: name the format to check on it with --chat-format")
@@ -192,7 +192,7 @@ def _cmd_chat_format_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_router_serve(args: argparse.Namespace) -> int:
-    from miles.rollout.router_server import serve_router
+    from miles.engine.router_server import serve_router
 
     serve_router(args.engine, host=args.host, port=args.port, health_interval_s=args.health_interval_s,
                  max_failures=args.max_failures, max_retries=args.max_retries)

@@ -101,7 +101,7 @@ def miles_register_rollout_engines(register: Register) -> None:
     ``stop()``; ``describe() -> dict`` reports it. Its attributes ``protocol`` (``"miles"`` or
     ``"sglang"``: what the weight transports may send it) and ``tp_size`` (ranks it takes in a
     ``distributed`` weight group) are read in the driver. A server launcher needs
-    ``num_engines >= 1``. :class:`miles.rollout.engine_launcher.SubprocessLauncher` is the base for a
+    ``num_engines >= 1``. :class:`miles.engine.launchers.SubprocessLauncher` is the base for a
     server command run in a process group of its own.
     """
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from miles.config.schema import ModelBuildConfig, TokenizerConfig
-from miles.models import build_model_dir
+from miles.models.hf import build_model_dir
 from miles.plugins import build_plugin_manager
 from miles.registry import Registry
 from miles.types import Sample, SampleStatus
@@ -51,7 +51,7 @@ def serve_engine(model_dir: str | Path, *args: str, timeout_s: float = 120.0) ->
     """``miles engine serve`` for ``model_dir`` in a process of its own on a free 127.0.0.1 port (one torch
     thread), started by the ``miles_server`` launcher; yields its base URL once ``/health`` answers, and stops
     the process (and removes its log) on exit. ``args``: more ``miles engine serve`` flags."""
-    from miles.rollout.engine_launcher import MilesServerLauncher
+    from miles.engine.launchers import MilesServerLauncher
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

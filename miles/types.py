@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.moe import NO_EXPERT, compact, decode_routed_experts, expand
+from miles.models.moe import NO_EXPERT, compact, decode_routed_experts, expand
 
 __all__ = ["SampleStatus", "Sample", "Group", "TrainBatch", "LossInputs", "Reward"]
 
@@ -56,7 +56,7 @@ class Sample:
     turns: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     # MoE models with rollout.return_routed_experts: the engine's expert ids for each input position of
-    # prompt_ids + response_ids ([positions, num_layers * top_k], miles.moe.compact form); observation tokens
+    # prompt_ids + response_ids ([positions, num_layers * top_k], miles.models.moe.compact form); observation tokens
     # have none (routed by the trainer as usual). None when not recorded.
     routed_experts: Any = field(default=None, repr=False)
     # rollout.tito.on_mismatch=split: the earlier parts of this trajectory, each a sample of its own (prompt, tokens,

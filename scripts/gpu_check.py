@@ -79,7 +79,7 @@ def check_environment(dry: bool, tmp: Path) -> dict:
 
 def check_quickstart(dry: bool, tmp: Path) -> dict:
     """The quickstart recipe on this device (bf16 autocast on a GPU): does the reward rise."""
-    from miles.runner import prepare, train
+    from miles.run.runner import prepare, train
 
     steps = 4 if dry else 60
     overrides = [f"run.dir={tmp / 'run'}", "run.progress=false", f"run.steps={steps}", "run.eval_size=0",
@@ -160,10 +160,10 @@ def check_weight_sync(dry: bool, tmp: Path) -> dict:
     import asyncio
 
     from miles.rollout.plane import RolloutPlane
-    from miles.rollout.router import Router
+    from miles.engine.router import Router
     from miles.testing import serve_engine
     from miles.train.torch_backend import TorchBackend
-    from miles.train.weight_sync import DistributedTransport, SharedMemoryTransport, TensorTransport
+    from miles.weights.transports import DistributedTransport, SharedMemoryTransport, TensorTransport
 
     path, params = _model(tmp, dry)
     backend = TorchBackend(device=_device(dry))
@@ -239,7 +239,7 @@ def check_sglang_run(dry: bool, tmp: Path) -> dict:
         import sglang  # noqa: F401
     except ImportError as exc:
         return {"skipped": f"sglang is not installed ({exc})"}
-    from miles.runner import prepare, train
+    from miles.run.runner import prepare, train
 
     overrides = [f"run.dir={tmp / 'run'}", "run.progress=false", "run.steps=3", "run.eval_size=0", "sft.steps=5",
                  "rollout.engine.name=sglang", "rollout.engine.num_engines=1", f"backend.device={_device(dry)}"]

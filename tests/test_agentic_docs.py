@@ -4,7 +4,7 @@ import json
 import types
 from pathlib import Path
 
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 from miles.testing import CHAT_TOKENIZER, make_registry
 
 from test_docs import python_blocks

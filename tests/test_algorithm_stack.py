@@ -6,7 +6,7 @@ import pytest
 
 from miles import hookimpl
 from miles.errors import ConfigError
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 
 CONFIG = "configs/quickstart.yaml"
 

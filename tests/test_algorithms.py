@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from miles.builtin.advantages import batch_whiten, dr_grpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo
 from miles.builtin.losses import aggregate, ppo_clip, sft
 from miles.errors import ConfigError
-from miles.runner import prepare
+from miles.run.runner import prepare
 from miles.types import LossInputs, Sample, SampleStatus, TrainBatch
 
 

@@ -12,12 +12,12 @@ from miles.agentic.chat import Conversation
 from miles.agentic.chat_format import ChatFormat, bind, detect, generation_eos_ids, resolve
 from miles.agentic.chat_check import check_format
 from miles.cli import main
-from miles.models import read_chat_template
+from miles.models.hf import read_chat_template
 from miles.rollout.context import RolloutContext
 from miles.rollout.multi_turn import MultiTurn
 from miles.testing import make_registry
 from miles.types import Sample, SampleStatus, TrainBatch
-from miles.vocabularies import build_bpe_tokenizer
+from miles.models.vocabularies import build_bpe_tokenizer
 
 REGISTRY = make_registry()
 FORMATS = {name: REGISTRY.get("chat_format", name).obj for name in REGISTRY.names("chat_format")}
@@ -91,7 +91,7 @@ def test_detection_picks_the_family_by_its_template_and_refuses_an_ambiguous_voc
     deepseek.chat_template = None
     with pytest.raises(ValueError, match=r"several chat formats \(.*deepseek_r1.*deepseek_v3.*\).*set model.chat_format"):
         resolve(FORMATS, "auto", deepseek)
-    from miles.models import build_char_tokenizer
+    from miles.models.hf import build_char_tokenizer
 
     assert resolve(FORMATS, "auto", build_char_tokenizer("abc")) == (None, "chat format: none detected (single-turn "
                                                                         "prompts use the tokenizer's chat template, if any)")
@@ -200,7 +200,7 @@ def test_split_continues_the_trajectory_as_a_new_sample_and_both_train():
 
 def test_split_parts_share_their_trajectory_s_advantage_and_count_once_in_the_group():
     from miles.builtin.advantages import grpo
-    from miles.loop import segment_advantages
+    from miles.loop.step import segment_advantages
 
     split, _, _ = _play("split")
     plain, _, _ = _play("retokenize")
@@ -289,7 +289,7 @@ def test_the_guide_s_chat_format_plugin_registers_and_renders(chat_model_dir):
     import types
     from pathlib import Path
 
-    from miles.models import load_tokenizer
+    from miles.models.hf import load_tokenizer
 
     guide = Path(__file__).parents[1].joinpath("docs", "agentic.md").read_text()
     code = next(b for b in re.findall(r"```python\n(.*?)```", guide, re.DOTALL) if "miles_register_chat_formats" in b)

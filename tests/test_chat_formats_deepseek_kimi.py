@@ -12,7 +12,7 @@ from miles.agentic.chat import Conversation
 from miles.agentic.chat_check import TOOLS, check_format, scenario_messages
 from miles.agentic.chat_format import bind, detect
 from miles.testing import make_registry
-from miles.vocabularies import build_bpe_tokenizer
+from miles.models.vocabularies import build_bpe_tokenizer
 
 DEEPSEEK = ("deepseek_r1", "deepseek_v3", "deepseek_v31")
 NAMES = (*DEEPSEEK, "kimi_k2")

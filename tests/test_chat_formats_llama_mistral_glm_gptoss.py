@@ -15,7 +15,7 @@ from miles.agentic.formats import glm, gpt_oss, llama, mistral
 from miles.agentic.types import ToolCall
 from miles.plugins import build_plugin_manager
 from miles.registry import Registry
-from miles.vocabularies import build_bpe_tokenizer
+from miles.models.vocabularies import build_bpe_tokenizer
 
 NAMES = ("llama3", "mistral_v3", "glm45", "gpt_oss")
 HEAD = [{"role": "system", "content": "You are a helpful assistant."},

@@ -4,7 +4,7 @@ import pytest
 
 from miles.agentic.chat import Conversation, NotAppendOnly
 from miles.agentic.chat_format import for_tokenizer
-from miles.models import build_char_tokenizer, read_chat_template
+from miles.models.hf import build_char_tokenizer, read_chat_template
 from miles.testing import CHAT_ALPHABET, CHAT_TOKENIZER
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {

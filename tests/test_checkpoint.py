@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from miles import hookimpl
-from miles.checkpoint import latest_checkpoint, save_checkpoint
+from miles.run.checkpoint import latest_checkpoint, save_checkpoint
 from miles.errors import ConfigError
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 
 CONFIG = "configs/quickstart.yaml"
 ARGS = ["sft.steps=10", "run.steps=8", "run.save_every=3", "run.eval_size=8", "run.progress=false",

@@ -4,7 +4,7 @@ import pandas  # noqa: F401  (datasets depends on it; Parquet files are written 
 import pytest
 
 from miles.errors import DataError
-from miles.models import build_char_tokenizer
+from miles.models.hf import build_char_tokenizer
 from miles.rollout.data_source import PromptSource, read_rows
 
 ROWS = [{"question": "1+2=", "answer": "3"}, {"question": "4+4=", "answer": "8"}, {"question": "0+5=", "answer": "5"}]

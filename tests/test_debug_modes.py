@@ -17,10 +17,10 @@ import miles
 from miles.builtin.losses import ppo_clip
 from miles.builtin.rewards import exact_match
 from miles.cli import main
-from miles.replay import replay
+from miles.run.replay import replay
 from miles.rollout.single_turn import single_turn
-from miles.rollouts_io import read_step
-from miles.runner import prepare, train
+from miles.loop.saved_rollouts import read_step
+from miles.run.runner import prepare, train
 
 QUICK = ["run.progress=false", "run.eval_size=0", "sft.steps=2", "rollout.prompts_per_step=8", "rollout.n_samples=4"]
 STEPS = 3
@@ -78,8 +78,8 @@ def test_saved_rollouts_are_the_trained_samples_token_for_token(saved_run):
 
 
 def test_step_files_keep_every_field_exactly(tmp_path):
-    from miles.moe import compact
-    from miles.rollouts_io import groups_of, write_step
+    from miles.models.moe import compact
+    from miles.loop.saved_rollouts import groups_of, write_step
     from miles.types import Sample, SampleStatus
 
     moe = compact(np.array([[0, 3], [1, -1], [300, 2]]))  # uint16, -1 kept

@@ -10,12 +10,12 @@ import torch
 from miles import interrupts
 from miles.cli import main
 from miles.config import load_config
-from miles.distill import Teacher, distill_advantages
+from miles.loop.distill import Teacher, distill_advantages
 from miles.engine.local import LocalEngine
-from miles.models import build_model_dir, load_model, load_tokenizer
+from miles.models.hf import build_model_dir, load_model, load_tokenizer
 from miles.rollout.plane import EventLoopThread
-from miles.rollout.router import Router
-from miles.runner import prepare, train
+from miles.engine.router import Router
+from miles.run.runner import prepare, train
 from miles.testing import serve_in_thread
 from miles.train.logprobs import token_logprobs
 from miles.types import Sample, TrainBatch

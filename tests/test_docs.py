@@ -88,7 +88,7 @@ def test_plugin_guide_examples_train_together(tmp_path):
     import json
     import types
 
-    from miles.runner import prepare, train
+    from miles.run.runner import prepare, train
 
     module = types.ModuleType("docs_examples")
     exec(compile("\n\n".join(python_blocks(DOCS / "plugins.md")), "docs/plugins.md", "exec"), module.__dict__)
@@ -113,7 +113,7 @@ def test_algorithm_page_examples_train(tmp_path):
     import json
     import types
 
-    from miles.runner import prepare, train
+    from miles.run.runner import prepare, train
 
     for page, overrides in (("advantages.md", ["advantage.name=max_baseline", "advantage.margin=0.1"]),
                             ("losses.md", ["loss.name=my_reinforce", "loss.scale=0.5"])):

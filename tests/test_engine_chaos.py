@@ -20,7 +20,7 @@ import pytest
 
 import miles
 from miles.errors import RunError
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 
 STEPS = 20
 PROMPTS, SAMPLES = 4, 4
@@ -141,7 +141,7 @@ class ChaosTransport:
     """The tensor transport, with kills during the push, during a catch-up and right after one."""
 
     def __init__(self, chaos):
-        from miles.train.weight_sync import TensorTransport
+        from miles.weights.transports import TensorTransport
 
         self.chaos, self.inner = chaos, TensorTransport()
 

@@ -379,9 +379,9 @@ def test_n_samples_per_prompt(server):
 @pytest.mark.parametrize("transport_name", ["tensor", "disk", "distributed"])
 def test_weight_transports_reach_a_real_engine(server, tmp_path, transport_name):
     from miles.rollout.plane import RolloutPlane
-    from miles.rollout.router import Router
+    from miles.engine.router import Router
     from miles.train.torch_backend import TorchBackend
-    from miles.train.weight_sync import DiskTransport, DistributedTransport, TensorTransport
+    from miles.weights.transports import DiskTransport, DistributedTransport, TensorTransport
 
     transport = {"tensor": TensorTransport, "disk": lambda: DiskTransport(dir=str(tmp_path / "w")),
                  "distributed": DistributedTransport}[transport_name]()
@@ -434,7 +434,7 @@ def test_cross_site_requests_are_refused(server):
 
 
 def test_miles_own_client_passes_the_checks(server):
-    from miles.rollout.router import Router
+    from miles.engine.router import Router
 
     async def go():
         async with Router([server]) as router:
@@ -489,7 +489,7 @@ def test_sglang_router_request_is_accepted(server):
 
 
 def test_sglang_logprob_fields(server, tiny_model_dir):
-    from miles.models import load_tokenizer
+    from miles.models.hf import load_tokenizer
 
     assert call(server, "/update_weights_from_disk", {"model_path": str(tiny_model_dir)})[0] == 200
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -524,7 +524,7 @@ def test_sglang_logprob_fields(server, tiny_model_dir):
 
 
 def test_text_prompts_are_tokenized_with_the_model_tokenizer(server, tiny_model_dir):
-    from miles.models import load_tokenizer
+    from miles.models.hf import load_tokenizer
 
     ids = load_tokenizer(tiny_model_dir).encode("12+3=")
     by_ids = call(server, "/generate", {"input_ids": ids, "sampling_params": GREEDY})[1]

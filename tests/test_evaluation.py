@@ -10,9 +10,9 @@ import pytest
 
 from miles import StepResult
 from miles.cli import main
-from miles.evaluation import pass_at_k
-from miles.models import build_model_dir
-from miles.runner import evaluate_model, prepare, train
+from miles.loop.evaluation import pass_at_k
+from miles.models.hf import build_model_dir
+from miles.run.runner import evaluate_model, prepare, train
 
 QUICK = ["run.progress=false", "sft.steps=20", "run.eval_size=20"]
 

@@ -19,10 +19,10 @@ from miles.cli import main
 from miles.engine.local import LocalEngine
 from miles.errors import ConfigError
 from miles.rollout.plane import RolloutPlane
-from miles.rollout.router import Router
+from miles.engine.router import Router
 from miles.testing import BackendConformance, make_train_batch
 from miles.train.torch_backend import TorchBackend
-from miles.train.weight_sync import InProcessTransport, SharedMemoryTransport, TensorTransport
+from miles.weights.transports import InProcessTransport, SharedMemoryTransport, TensorTransport
 
 LORA = {"rank": 4, "alpha": 8}  # all-linear: 2 layers x 7 projections; scaling alpha / rank = 2
 PROMPT = [5, 13, 2, 14]

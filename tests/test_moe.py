@@ -1,5 +1,5 @@
 """Mixture-of-experts models: a tiny Qwen3-MoE built from the config, routing recorded and replayed
-(``miles.moe``), the engine's ``routed_experts`` in SGLang's form, samples that keep them through partial
+(``miles.models.moe``), the engine's ``routed_experts`` in SGLang's form, samples that keep them through partial
 rollouts and multi-turn trajectories, and R3 in the trainer: its routing equals the engine's, and the
 rollout/train log-prob gap is smaller than without it."""
 
@@ -13,8 +13,8 @@ from miles.builtin.losses import ppo_clip
 from miles.builtin.selectors import OverSampling
 from miles.cli import main
 from miles.engine.local import LocalEngine
-from miles.models import load_model, load_tokenizer
-from miles.moe import compact, decode_routed_experts, encode_routed_experts, expand, moe_layout, routing
+from miles.models.hf import load_model, load_tokenizer
+from miles.models.moe import compact, decode_routed_experts, encode_routed_experts, expand, moe_layout, routing
 from miles.rollout.collect import GroupCollector
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import PromptSource

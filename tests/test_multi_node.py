@@ -110,7 +110,7 @@ DRIVER = """
 import json, logging, sys, time
 from pathlib import Path
 import miles
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 gate = Path(sys.argv[1])
 
 class Hold:

@@ -11,7 +11,7 @@ import torch
 from miles.agentic.metrics import agentic_metrics
 from miles.agentic.tool_calls import HermesParser
 from miles.agentic.types import StepResult, tool
-from miles.builtin.tools import ToolEnv
+from miles.agentic.tool_env import ToolEnv
 from miles.engine.local import LocalEngine
 from miles.rollout.context import RolloutContext
 from miles.rollout.generate import run_one, with_time_limit

@@ -119,7 +119,7 @@ def test_a_resumed_run_replaces_the_redone_steps_in_tensorboard(tmp_path):
     from omegaconf import OmegaConf
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from miles.builtin.loggers import TensorBoardLogger
+    from miles.run.loggers import TensorBoardLogger
 
     config = OmegaConf.create({"run": {"resume": True}})
     for first_step, values in ((0, [1.0, 2.0, 3.0, 4.0]), (2, [30.0, 40.0])):  # interrupted after step 3, resumed at 2
@@ -152,7 +152,7 @@ def test_wandb_arguments_are_checked_at_config_time(capsys):
 
 
 def test_plain_progress_prints_now_and_then(monkeypatch):
-    from miles.progress import PlainProgress, progress
+    from miles.run.progress import PlainProgress, progress
 
     out = io.StringIO()
     with progress(20, "grpo", enabled=True, file=out) as bar:

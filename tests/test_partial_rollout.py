@@ -5,7 +5,7 @@ import pytest
 
 from miles.builtin.selectors import OverSampling
 from miles.engine.local import LocalEngine
-from miles.models import load_tokenizer
+from miles.models.hf import load_tokenizer
 from miles.rollout.collect import GroupCollector
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import PromptSource

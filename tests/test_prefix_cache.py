@@ -311,7 +311,7 @@ def post(url, body):
 
 def test_server_flush_and_counts_through_the_plane(tiny_model_dir):
     from miles.rollout.plane import RolloutPlane
-    from miles.rollout.router import Router
+    from miles.engine.router import Router
 
     engine = make_engine(tiny_model_dir, 4096, background=True)
     params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}

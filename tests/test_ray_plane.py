@@ -9,7 +9,7 @@ import pytest
 
 import miles
 from miles.errors import ConfigError, RunError
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 
 
 def metrics_of(run_dir):

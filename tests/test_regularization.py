@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from miles.builtin.losses import sft
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 from miles.train.regularizers import kl_estimate, regularized
 from miles.types import LossInputs
 

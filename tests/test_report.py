@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from miles.cli import main
-from miles.report import DPI, FIGURE_SIZE_IN, PLOTS
+from miles.run.report import DPI, FIGURE_SIZE_IN, PLOTS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

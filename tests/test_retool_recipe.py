@@ -8,12 +8,12 @@ import os
 from pathlib import Path
 
 from miles.agentic.tool_calls import PythonBlockParser
-from miles.builtin.sandboxes import LocalSandbox
-from miles.builtin.tools import ToolEnv, execute_python_code
+from miles.sandboxes.local import LocalSandbox
+from miles.agentic.tool_env import ToolEnv, execute_python_code
 from miles.engine.local import LocalEngine
 from miles.rollout.context import RolloutContext
 from miles.rollout.multi_turn import MultiTurn
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 from miles.types import Sample, SampleStatus
 
 from test_multi_turn import ScriptedPolicy
@@ -81,8 +81,8 @@ def test_the_qwen3_recipe_runs_on_a_real_bpe_vocabulary_with_thinking(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["samples/failed"] == 0 for r in rows)
     assert all(r["rollout/tito_mismatch_frac"] == 0.0 for r in rows)
-    from miles.models import load_tokenizer
-    from miles.rollouts_io import read_step
+    from miles.models.hf import load_tokenizer
+    from miles.loop.saved_rollouts import read_step
 
     tokenizer = load_tokenizer(tmp_path / "final_model")
     assert len(tokenizer) == 8192 + 26 and tokenizer.convert_tokens_to_ids("<|im_end|>") == 8194

@@ -7,8 +7,8 @@ import pytest
 
 import miles
 from miles.errors import RunError
-from miles.rollout.reward import score_samples
-from miles.runner import prepare, train
+from miles.rewards.scoring import score_samples
+from miles.run.runner import prepare, train
 from miles.testing import make_sample
 from miles.types import SampleStatus
 

@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from miles.rollout.router import EngineGone, EngineRequestError, NoHealthyEngine, Router
+from miles.engine.router import EngineGone, EngineRequestError, NoHealthyEngine, Router
 
 
 def free_port() -> int:
@@ -225,7 +225,7 @@ class Rig:
 
     def __init__(self, model_dir, backend, hold="", transport=None):
         from miles.rollout.plane import RolloutPlane
-        from miles.train.weight_sync import TensorTransport
+        from miles.weights.transports import TensorTransport
 
         self.model_dir, self.backend = model_dir, backend
         self.ports = [free_port(), free_port()]
@@ -316,7 +316,7 @@ def test_engine_killed_during_generate(rig):
 
 @pytest.mark.parametrize("name", ["tensor", "disk", "distributed", "shm"])
 def test_engine_killed_during_a_weight_push(rig, tmp_path, name):
-    from miles.train.weight_sync import DiskTransport, DistributedTransport, SharedMemoryTransport, TensorTransport
+    from miles.weights.transports import DiskTransport, DistributedTransport, SharedMemoryTransport, TensorTransport
 
     transport = {"tensor": TensorTransport, "disk": lambda: DiskTransport(dir=str(tmp_path / "w")),
                  "distributed": lambda: DistributedTransport(timeout_s=60), "shm": SharedMemoryTransport}[name]()

@@ -1,4 +1,4 @@
-"""run.schedule one_step_off and async: the stream of groups beside the trainer (miles/schedules.py), on
+"""run.schedule one_step_off and async: the stream of groups beside the trainer (miles/loop/schedules.py), on
 a real in-process engine with a worker thread, and on Ray engines in processes of their own."""
 
 import asyncio
@@ -11,7 +11,7 @@ import pytest
 import miles
 from miles.engine.local import LocalEngine
 from miles.errors import ConfigError
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 from miles.types import Sample
 
 QUICK = ["sft.steps=20", "run.eval_size=0", "rollout.prompts_per_step=4", "rollout.n_samples=4", "run.progress=false"]
@@ -212,7 +212,7 @@ def test_async_run_resumes_from_its_checkpoint(tmp_path):
     generated again first after the resume: nothing admitted before the checkpoint is lost."""
     from collections import Counter
 
-    from miles.checkpoint import latest_checkpoint
+    from miles.run.checkpoint import latest_checkpoint
 
     args = [f"run.dir={tmp_path}", *QUICK, "run.schedule=async", "rollout.async.max_staleness=1", "run.save_every=2"]
     train(prepare("configs/quickstart.yaml", [*args, "run.steps=4"], extra_plugins=[("recorder", Recorder())]))

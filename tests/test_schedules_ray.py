@@ -12,7 +12,7 @@ import time
 import pytest
 
 import miles
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 
 
 def metrics_of(run_dir):
@@ -129,7 +129,7 @@ class FailingLoss:
 
 @pytest.mark.slow
 def test_trainer_failure_stops_the_stream_cleanly(tmp_path):
-    from miles.checkpoint import damage, latest_checkpoint
+    from miles.run.checkpoint import damage, latest_checkpoint
 
     run_dir = tmp_path / "run"
     with pytest.raises(Exception, match="the loss failed on purpose at step 2"):

@@ -9,7 +9,7 @@ from miles.builtin.selectors import Buffer, DynamicSampling, OverlongPenalty, Ov
 from miles.rollout.collect import GroupCollector
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import PromptSource
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 from miles.testing import make_sample
 from miles.types import Group, SampleStatus
 

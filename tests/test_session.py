@@ -555,7 +555,7 @@ def test_an_agent_that_cannot_be_called_is_a_config_error():
     with pytest.raises(ConfigError, match="unexpected keyword argument 'colour'"):
         agent_fn("silent_agent", colour="red")
     # Checked when the config is validated, before a run starts.
-    from miles.runner import prepare
+    from miles.run.runner import prepare
 
     with pytest.raises(ConfigError, match="rollout_fn 'agent' rejected its arguments: agent: cannot import"):
         prepare(DOCS.parent.parent / "configs" / "quickstart.yaml", ['rollout.fn={name: agent, agent: "nope:solve"}'])

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from miles.testing import MILES_WITH_CTRL_C
 
-from miles.checkpoint import newest_intact_checkpoint
+from miles.run.checkpoint import newest_intact_checkpoint
 from miles.cli import main
-from miles.progress import PlainProgress
+from miles.run.progress import PlainProgress
 
 CONFIG = "configs/quickstart.yaml"
 SMALL = ["run.progress=false", "sft.steps=2", "run.steps=4", "run.save_every=2", "run.eval_size=4",

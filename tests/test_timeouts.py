@@ -15,9 +15,9 @@ from miles.errors import ConfigError, RunError
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt
 from miles.rollout.generate import make_groups, run_rollouts, time_limit, with_time_limit
-from miles.rollout.reward import score_samples
+from miles.rewards.scoring import score_samples
 from miles.rollout.single_turn import single_turn
-from miles.runner import prepare, train
+from miles.run.runner import prepare, train
 from miles.testing import make_sample
 from miles.types import SampleStatus
 

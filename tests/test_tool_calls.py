@@ -3,7 +3,7 @@
 import pytest
 
 from miles.agentic.tool_calls import HermesParser, PythonBlockParser, check_calls
-from miles.builtin.tools import execute_python_code
+from miles.agentic.tool_env import execute_python_code
 from miles.testing import make_registry
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {

@@ -11,7 +11,7 @@ import torch
 
 from miles.cli import main
 from miles.engine.local import LocalEngine
-from miles.models import exact_logprobs, load_model
+from miles.models.hf import exact_logprobs, load_model
 from miles.train.torch_backend import TorchBackend
 from miles.types import Sample, SampleStatus, TrainBatch
 

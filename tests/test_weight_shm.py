@@ -23,16 +23,16 @@ import urllib.request
 import pytest
 import torch
 
-import miles.train.weight_sync as weight_sync
+import miles.weights.transports as weight_sync
 from miles.engine import LocalEngine
 from miles.weights.shm import (
     HEADER, MAGIC, WRITING, MappedWeightFile, WeightFile, host_id, parse_descriptor,
 )
 from miles.rollout.plane import RolloutPlane
 from miles.testing import serve_in_thread
-from miles.rollout.router import EngineRequestError, Router
+from miles.engine.router import EngineRequestError, Router
 from miles.testing import build_tiny_model
-from miles.train.weight_sync import AutoTransport, SharedMemoryTransport, SharedMemoryUnavailable
+from miles.weights.transports import AutoTransport, SharedMemoryTransport, SharedMemoryUnavailable
 
 SHM = "/update_weights_from_shm"
 PROMPT = [5, 13, 2, 14]
@@ -203,7 +203,7 @@ def test_non_finite_weights_are_refused_and_nothing_is_applied(server, plane, po
 
 
 def test_the_file_is_removed_when_the_trainer_exits_with_an_exception(tmp_path):
-    script = ("import torch; from miles.train.weight_sync import SharedMemoryTransport\n"
+    script = ("import torch; from miles.weights.transports import SharedMemoryTransport\n"
               "t = SharedMemoryTransport(); t._write({'w': torch.ones(4)}, 1); print(t._last['path'], flush=True)\n"
               "raise SystemExit('the trainer failed')")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

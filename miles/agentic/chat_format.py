@@ -179,7 +179,7 @@ def bind(fmt: ChatFormat, tokenizer: Any, *, template: str | None = None, templa
     own. ``eos_ids`` are the checkpoint's generation EOS ids, added to the stop ids. ``build_parser(kind,
     name)`` builds the tool and reasoning parsers (the registry's build); without it they stay None.
     """
-    from miles.models import read_chat_template
+    from miles.models.hf import read_chat_template
 
     missing = [t for t in fmt.all_stop_tokens if _token_id(tokenizer, t) is None]
     if missing:

@@ -3,7 +3,7 @@
 
 from miles import hookimpl
 from miles.engine.local import LocalEngine
-from miles.rollout.engine_launcher import MilesServerLauncher
+from miles.engine.launchers import MilesServerLauncher
 
 
 @hookimpl(trylast=True)

@@ -2,7 +2,7 @@
 
 from miles import hookimpl
 from miles.agentic.tool_calls import HermesParser, PythonBlockParser
-from miles.rollout.agent import Agent
+from miles.session.agent import Agent
 from miles.rollout.multi_turn import MultiTurn
 from miles.rollout.single_turn import single_turn
 

@@ -1,7 +1,7 @@
 """Builtin weight transports."""
 
 from miles import hookimpl
-from miles.train.weight_sync import (
+from miles.weights.transports import (
     AutoTransport, DiskTransport, DistributedTransport, InProcessTransport, SharedMemoryTransport, TensorTransport,
 )
 

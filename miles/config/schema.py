@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 __all__ = ["MilesConfig", "AsyncConfig", "structured_defaults", "COMPONENT_NODES", "COMPONENT_LISTS", "SCHEDULES"]
 
-SCHEDULES = ("sync", "one_step_off", "async")  # run.schedule (miles/schedules.py)
+SCHEDULES = ("sync", "one_step_off", "async")  # run.schedule (miles/loop/schedules.py)
 
 
 def _component(name: str, **args: Any) -> Any:

@@ -169,7 +169,7 @@ def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[st
 
 def _engine_problems(registry: Registry, plain: dict[str, Any], engines: int, extra: dict[str, Any]) -> list[str]:
     """A server launcher (e.g. ``sglang``) runs only as N >= 1 engines over HTTP; ``local`` either way."""
-    from miles.rollout.engine_launcher import is_server_launcher
+    from miles.engine.launchers import is_server_launcher
 
     problems = []
     name = plain.get("name")
@@ -289,7 +289,7 @@ def _debug_problems(config: DictConfig, registry: Registry) -> list[str]:
         problems.append(f"run.schedule: cluster.local_mode runs rollouts on the main thread, then trains, so it needs "
                         f"run.schedule sync (got {run_cfg.schedule})")
     engine, extra = split_node(config.rollout.engine, "rollout.engine")
-    from miles.rollout.engine_launcher import is_server_launcher
+    from miles.engine.launchers import is_server_launcher
 
     if is_server_launcher(registry.get("rollout_engine", engine["name"]).obj):
         problems.append(f"rollout.engine: engine {engine['name']!r} runs as a server of its own and cannot run in "

@@ -24,8 +24,8 @@ from transformers import DynamicCache
 
 from miles.engine.prefix_cache import PrefixCache
 from miles.engine.sampling import SamplingParams, sample_next
-from miles.models import exact_logprobs
-from miles.moe import encode_routed_experts, moe_layout, routing
+from miles.models.hf import exact_logprobs
+from miles.models.moe import encode_routed_experts, moe_layout, routing
 
 __all__ = ["ContinuousBatcher", "Request"]
 
@@ -381,7 +381,7 @@ class ContinuousBatcher:
 
     @torch.inference_mode()
     def _rescore(self, r: Request, meta: dict[str, Any]) -> None:
-        """Replace the decode's log-probs of ``r``'s outputs with :func:`miles.models.exact_logprobs` over the prompt
+        """Replace the decode's log-probs of ``r``'s outputs with :func:`miles.models.hf.exact_logprobs` over the prompt
         and the outputs (the weights that sampled them: under the step lock); ``sampling_logprob_abs_diff_max`` says
         how far the distribution the tokens were sampled from was from them (float rounding of the cached decode)."""
         exact = exact_logprobs(self.model, r.prompt + r.output_ids, length=self.context_length,

@@ -17,7 +17,7 @@ import torch
 
 from miles.engine.batcher import ContinuousBatcher, Request
 from miles.engine.sampling import SamplingParams
-from miles.models import load_model, load_tokenizer
+from miles.models.hf import load_model, load_tokenizer
 from miles.weights.lora import adapter_layers, adapter_problems, is_adapter_payload, merged_weight
 
 __all__ = ["LocalEngine", "MEMORY_TAGS"]
@@ -37,7 +37,7 @@ class LocalEngine:
         """``device``: cpu, cuda (one GPU) or auto (cuda when torch sees one); ``dtype``: the weights' type
         (float32, bfloat16 or float16; auto: bfloat16 on a GPU that supports it, else float32).
         ``exact_logprobs``: answer with log-probs computed as the trainer computes them, bit for bit
-        (:func:`miles.models.exact_logprobs`; ``rollout.true_on_policy`` sets it)."""
+        (:func:`miles.models.hf.exact_logprobs`; ``rollout.true_on_policy`` sets it)."""
         if not isinstance(exact_logprobs, bool):
             raise ValueError(f"exact_logprobs: expected true or false, got {exact_logprobs!r}")
         self.exact_logprobs = exact_logprobs

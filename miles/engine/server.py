@@ -281,7 +281,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     path = body.get("model_path")
     if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
         return error_answer(400, f"model_path: expected an HF model directory, got {path!r}")
-    from miles.models import load_model
+    from miles.models.hf import load_model
 
     def load() -> dict[str, torch.Tensor]:
         try:

@@ -16,7 +16,7 @@ from miles import interrupts
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import PromptSource
 from miles.rollout.generate import make_groups, run_one, run_rollouts
-from miles.rollout.reward import score_samples, score_samples_async
+from miles.rewards.scoring import score_samples, score_samples_async
 from miles.types import Group, Sample, SampleStatus
 
 __all__ = ["GroupCollector", "Collected"]

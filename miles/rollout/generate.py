@@ -11,7 +11,7 @@ from typing import TypeVar
 from miles import interrupts
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt
-from miles.rollout.router import NoEngineLeft
+from miles.engine.router import NoEngineLeft
 from miles.types import Group, Sample, SampleStatus
 
 __all__ = [

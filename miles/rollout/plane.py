@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from miles import interrupts
-from miles.rollout.router import Router
+from miles.engine.router import Router
 
 __all__ = ["EventLoopThread", "RolloutPlane"]
 

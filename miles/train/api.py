@@ -35,7 +35,7 @@ written against this module.
 
 from miles.builtin.losses import value_loss
 from miles.errors import ConfigError, RunError
-from miles.models import load_critic, load_model, save_pretrained, save_state_dict
+from miles.models.hf import load_critic, load_model, save_pretrained, save_state_dict
 from miles.train.backend import LossFn, TrainBackend
 from miles.train.batching import balanced_partition, micro_batch_indices, normalizers, plan_batch, plan_step
 from miles.train.lora import LoraOptions, adapter_state, apply_lora, load_adapter_state, merged_weights

@@ -59,7 +59,7 @@ class TrainOptions:
     # LoRA through peft: {rank, alpha, target_modules, dropout, sync}; only the adapters train (null: off).
     # Read as miles.train.lora.LoraOptions; docs/lora.md
     lora: Optional[dict] = None
-    # Log-probs one sequence at a time at the context length (miles.models.exact_logprobs), as an engine with
+    # Log-probs one sequence at a time at the context length (miles.models.hf.exact_logprobs), as an engine with
     # exact_logprobs computes them: bit-identical to the rollout's (rollout.true_on_policy sets it; dense models)
     exact_logprobs: bool = False
 

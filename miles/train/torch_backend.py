@@ -13,14 +13,14 @@ import torch
 
 from miles.builtin.losses import value_loss
 from miles.errors import ConfigError
-from miles.models import exact_logprobs, load_critic, load_model, save_pretrained, save_state_dict
+from miles.models.hf import exact_logprobs, load_critic, load_model, save_pretrained, save_state_dict
 from miles.train.backend import LossFn
 from miles.train.batching import normalizers, plan_batch
 from miles.train import lora
 from miles.train.kernels import check_kernel_name, select_kernel
 from miles.train.logprobs import token_logprobs
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
-from miles.moe import moe_layout, routing
+from miles.models.moe import moe_layout, routing
 from miles.train.regularizers import kl_estimate
 from miles.types import LossInputs, TrainBatch
 
@@ -86,7 +86,7 @@ class Policy:
                                   kernel=self.logprob_kernel, **kwargs)
 
     def _exact_forward(self, model: torch.nn.Module, micro: TrainBatch, with_entropy: bool):
-        """``[B, L-1]`` log-probs (and entropy), each row by :func:`miles.models.exact_logprobs` (bit-identical to an
+        """``[B, L-1]`` log-probs (and entropy), each row by :func:`miles.models.hf.exact_logprobs` (bit-identical to an
         engine with ``exact_logprobs``, whatever the batch)."""
         length = int(model.config.max_position_embeddings)
         pad = int(getattr(model.config, "pad_token_id", None) or 0)

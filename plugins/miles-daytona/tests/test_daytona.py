@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from miles.agentic import PermanentError
-from miles.builtin.sandboxes import bwrap_problem
+from miles.sandboxes.local import bwrap_problem
 from miles.testing import MILES_WITH_CTRL_C, SandboxConformance
 from miles_daytona import DaytonaSandbox
 from miles_daytona import client as clients
@@ -253,7 +253,7 @@ def test_a_missing_credential_or_a_bad_argument_is_a_config_error_naming_it(monk
 
 def test_a_run_without_the_credential_stops_at_config_validation(monkeypatch, tmp_path):
     from miles.errors import ConfigError
-    from miles.runner import prepare
+    from miles.run.runner import prepare
 
     monkeypatch.delenv("DAYTONA_API_KEY", raising=False)
     monkeypatch.chdir(ROOT)

@@ -348,7 +348,7 @@ def test_check_args_refuses_the_sdks_debug_mode(no_e2b_settings):
 def test_a_run_without_the_credential_stops_at_config_validation(no_e2b_settings):
     """What ``miles train`` reports before exiting with code 2."""
     from miles.errors import ConfigError
-    from miles.runner import prepare
+    from miles.run.runner import prepare
 
     needs_the_recipe()
     with pytest.raises(ConfigError, match=r"rollout.sandbox: sandbox 'e2b' rejected its arguments: .*E2B_API_KEY"):

@@ -81,7 +81,7 @@ def test_asking_for_more_workers_than_the_cluster_has_fails_at_once(tiny_model_d
 def test_a_dead_worker_fails_the_step_with_a_clear_error(tiny_model_dir, tmp_path):
     import ray
 
-    from miles.checkpoint import latest_checkpoint, save_checkpoint
+    from miles.run.checkpoint import latest_checkpoint, save_checkpoint
 
     backend = FSDP2Backend(world_size=2)
     backend.setup(str(tiny_model_dir), seed=0)
@@ -98,7 +98,7 @@ def test_a_dead_worker_fails_the_step_with_a_clear_error(tiny_model_dir, tmp_pat
 
 @pytest.mark.slow
 def test_quickstart_trains_with_fsdp2(tmp_path):
-    from miles.runner import prepare, train
+    from miles.run.runner import prepare, train
 
     args = [f"run.dir={tmp_path}", "run.progress=false", "backend.name=fsdp2", "backend.world_size=2", "run.save_every=50"]
     train(prepare(_quickstart(), [*args, "run.steps=100"]))
@@ -148,7 +148,7 @@ def test_value_model_steps_equal_the_single_process_backend(tiny_model_dir):
 def test_async_schedule_trains_with_fsdp2(tmp_path):
     """run.schedule async over the FSDP2 backend: its gathered weights go to the engine while the stream
     generates the next batch; samples are at most one version old, every step trains a full batch."""
-    from miles.runner import prepare, train
+    from miles.run.runner import prepare, train
 
     train(prepare(_quickstart(), [f"run.dir={tmp_path}", "run.progress=false", "backend.name=fsdp2",
                                   "backend.world_size=2", "run.schedule=async", "rollout.async.update=in_place",

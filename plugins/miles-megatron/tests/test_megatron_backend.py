@@ -112,7 +112,7 @@ def test_quickstart_trains_with_megatron(tmp_path):
     import math
     from pathlib import Path
 
-    from miles.runner import prepare, train
+    from miles.run.runner import prepare, train
 
     quickstart = str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
     args = [f"run.dir={tmp_path}", "run.progress=false", "backend.name=megatron", "run.save_every=50"]

@@ -210,7 +210,7 @@ def test_in_a_rollout_a_failing_exec_is_the_tool_calls_error_and_the_sandbox_is_
     from transformers import AutoTokenizer
 
     from miles.agentic.tool_calls import PythonBlockParser
-    from miles.builtin.tools import ToolEnv, execute_python_code
+    from miles.agentic.tool_env import ToolEnv, execute_python_code
     from miles.rollout.context import RolloutContext
     from miles.rollout.generate import run_one
     from miles.rollout.multi_turn import MultiTurn
@@ -356,7 +356,7 @@ def _without_modal_settings(tmp_path: Path) -> dict[str, str]:
 
 def test_a_run_without_credentials_stops_at_config_validation_naming_them(monkeypatch):
     from miles.errors import ConfigError
-    from miles.runner import prepare
+    from miles.run.runner import prepare
 
     for name in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "MODAL_OAUTH_REFRESH_TOKEN"):
         monkeypatch.setenv(name, "")  # set but empty: the SDK reads the environment before ~/.modal.toml

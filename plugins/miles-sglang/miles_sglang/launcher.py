@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from miles.rollout.engine_launcher import SubprocessLauncher
+from miles.engine.launchers import SubprocessLauncher
 
 __all__ = ["SGLangLauncher", "sglang_argv", "DTYPES", "RESERVED_FLAGS"]
 

@@ -61,8 +61,8 @@ def main() -> int:
     from sglang.version import __version__ as sglang_version
 
     from miles.rollout.plane import RolloutPlane
-    from miles.rollout.router import Router
-    from miles.train.weight_sync import DiskTransport, DistributedTransport
+    from miles.engine.router import Router
+    from miles.weights.transports import DiskTransport, DistributedTransport
     from miles_sglang import SGLangLauncher, sglang_argv
 
     report["sglang"] = sglang_version

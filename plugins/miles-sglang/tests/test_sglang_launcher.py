@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from miles.errors import ConfigError, RunError
-from miles.models import load_model
-from miles.rollout.engine_launcher import MilesServerLauncher, SubprocessLauncher, is_server_launcher
+from miles.models.hf import load_model
+from miles.engine.launchers import MilesServerLauncher, SubprocessLauncher, is_server_launcher
 from miles.rollout.plane import RolloutPlane
-from miles.rollout.router import Router
-from miles.runner import prepare
+from miles.engine.router import Router
+from miles.run.runner import prepare
 from miles_sglang import SGLangLauncher, sglang_argv
 
 
@@ -247,7 +247,7 @@ def test_every_weight_transport_reaches_the_launched_server(launched, tiny_model
 
 
 def test_transports_refuse_sglang_servers_naming_the_alternatives(launched, tiny_model_dir):
-    from miles.train.weight_sync import SharedMemoryTransport, TensorTransport
+    from miles.weights.transports import SharedMemoryTransport, TensorTransport
 
     _, _, plane = launched
     plane.router.engines[0].meta["protocol"] = "sglang"  # as launch_engines marks an SGLang server
@@ -287,7 +287,7 @@ def test_memory_release_and_resume(launched, tiny_model_dir):
     assert call(url, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})[0] == 200
     status, answer = greedy(url)
     assert status == 503 and "push weights first" in answer["error"]  # resumed weights hold nothing
-    from miles.train.weight_sync import TensorTransport
+    from miles.weights.transports import TensorTransport
 
     TensorTransport().push(FakeBackend(tiny_model_dir, seed=3), plane, version=1)
     status, answer = greedy(url)
@@ -308,8 +308,8 @@ def test_pause_in_place_holds_requests_and_abort_mode_ends_them(launched):
 
 @pytest.mark.slow
 def test_server_killed_restarts_its_actor_and_is_caught_up(ray_cluster, tiny_model_dir):
-    from miles.rollout.ray_engines import launch_engines, shutdown_engines
-    from miles.train.weight_sync import TensorTransport
+    from miles.engine.ray_actors import launch_engines, shutdown_engines
+    from miles.weights.transports import TensorTransport
 
     ray = ray_cluster.ray
     router, actors, group = launch_engines(ray, 1, str(tiny_model_dir), MilesServerLauncher(), cpus_per_engine=1,
@@ -350,7 +350,7 @@ def test_server_killed_restarts_its_actor_and_is_caught_up(ray_cluster, tiny_mod
 
 @pytest.mark.slow
 def test_quickstart_with_a_server_per_engine_and_memory_released_during_training(tmp_path):
-    from miles.runner import train
+    from miles.run.runner import train
 
     summary = train(prepare(_quickstart(), [
         f"run.dir={tmp_path}", "run.progress=false", "run.steps=4", "sft.steps=0", "run.eval_size=0",
@@ -368,7 +368,7 @@ def test_an_engine_reserves_a_gpu_per_tensor_parallel_rank(ray_cluster, tiny_mod
     """An SGLang server's bundle asks Ray for tp_size GPUs: on a cluster without them, placement fails clearly
     (no server is started)."""
     from miles.errors import RunError
-    from miles.rollout.ray_engines import launch_engines
+    from miles.engine.ray_actors import launch_engines
 
     launcher = SGLangLauncher(tp_size=2)
     assert launcher.gpus == 2.0

@@ -260,7 +260,7 @@ def miles_train(config: Path) -> tuple[int, str, int]:
 
 def test_an_env_that_does_not_load_stops_the_run_at_start(tmp_path, env_args, chat_model_dir):
     """Config validation, as ``miles train`` runs it first: a ConfigError, which the command exits 2 with."""
-    from miles.runner import prepare
+    from miles.run.runner import prepare
 
     rows = tmp_path / "train.jsonl"
     rows.write_text(json.dumps({"prompt": "Which word is filed under k0?", "label": "", "task": 0}) + "\n")

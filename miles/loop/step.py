@@ -1,6 +1,6 @@
 """The core loop: one RL step, one SFT step, one evaluation. Every stage goes through its plugin.
 
-The components (engine, backend, reward ...) are assembled by :mod:`miles.runner`.
+The components (engine, backend, reward ...) are assembled by :mod:`miles.run.runner`.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import torch
 
 from miles import interrupts
 from miles.agentic.metrics import agentic_metrics
-from miles.distill import distill_advantages
+from miles.loop.distill import distill_advantages
 from miles.errors import DataError, RunError
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt, PromptSource
 from miles.rollout.generate import make_groups, run_rollouts
-from miles.rollout.reward import score_samples
+from miles.rewards.scoring import score_samples
 from miles.train.regularizers import kl_estimate
 from miles.types import Group, Sample, SampleStatus, TrainBatch
 
@@ -49,9 +49,9 @@ class Components:
     kl_reward_coef: float = 0.0  # KL to the reference policy as a per-sequence reward penalty
     kl_estimator: str = "k3"
     release_memory: bool = False  # engines free their memory while the trainer trains (a colocated trainer)
-    teacher: Any = None  # miles.distill.Teacher: on-policy distillation's per-token advantages
+    teacher: Any = None  # miles.loop.distill.Teacher: on-policy distillation's per-token advantages
     router_stats_seen: dict[str, int] = field(default_factory=dict)
-    # run.save_rollouts: called with each step's training samples before they train (miles.rollouts_io)
+    # run.save_rollouts: called with each step's training samples before they train (miles.loop.saved_rollouts)
     save_rollouts: Callable[[int, list[Sample]], None] | None = None
     rollout_only: bool = False  # run.rollout_only: generate, score and select; train and push nothing
 

@@ -1,6 +1,6 @@
-"""How rollout and training share time (``run.schedule``), on the stages of :mod:`miles.loop`.
+"""How rollout and training share time (``run.schedule``), on the stages of :mod:`miles.loop.step`.
 
-``sync``: each step generates its groups, then trains on them (:func:`miles.loop.rl_step`).
+``sync``: each step generates its groups, then trains on them (:func:`miles.loop.step.rl_step`).
 
 ``one_step_off`` and ``async`` run a :class:`GroupStream` on the rollout plane's event loop, beside the
 trainer: prompts are admitted, their groups generated, rewarded and selected as each completes, and
@@ -34,11 +34,11 @@ from statistics import fmean
 from typing import Any
 
 from miles.config.schema import SCHEDULES
-from miles.loop import Components, check_failures, finish_step, push_weights, rl_step, rollout_metrics, train_groups
+from miles.loop.step import Components, check_failures, finish_step, push_weights, rl_step, rollout_metrics, train_groups
 from miles.rollout.collect import Collected
 from miles.rollout.data_source import Prompt
 from miles.rollout.generate import make_groups, run_one
-from miles.rollout.reward import score_samples_async
+from miles.rewards.scoring import score_samples_async
 from miles.types import Group, Sample, SampleStatus
 
 __all__ = ["SCHEDULES", "GroupStream", "StreamSettings", "make_schedule", "stream_settings"]

@@ -18,7 +18,7 @@ from typing import Any
 
 from miles.cluster import describe_capacity
 from miles.errors import RunError
-from miles.rollout.router import EngineGone, Router
+from miles.engine.router import EngineGone, Router
 
 __all__ = ["EngineActor", "launch_engines", "shutdown_engines", "describe_nodes", "dead_node"]
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineActor:
-    """Starts its engine server with a launcher (:mod:`miles.rollout.engine_launcher`) from a supervisor thread
+    """Starts its engine server with a launcher (:mod:`miles.engine.launchers`) from a supervisor thread
     that lives as long as the actor; ``address`` answers once the server is up. When the server's process
     dies, the actor exits, and Ray restarts it (which starts a new server); when the actor dies, its server
     is killed with it (the launcher's parent-death signal is tied to the supervisor thread)."""

@@ -78,10 +78,10 @@ def read_chat_template(name_or_path: str, where: str = "model.tokenizer.chat_tem
 
 def build_tokenizer(cfg) -> PreTrainedTokenizerBase:
     """The tokenizer a ``model.tokenizer`` section describes: a char tokenizer, or a real BPE vocabulary
-    (:mod:`miles.vocabularies`) with the special and added tokens one token each."""
+    (:mod:`miles.models.vocabularies`) with the special and added tokens one token each."""
     if cfg.kind == "char":
         return build_char_tokenizer(cfg.alphabet, cfg.special_tokens, cfg.added_tokens, cfg.chat_template)
-    from miles.vocabularies import build_bpe_tokenizer
+    from miles.models.vocabularies import build_bpe_tokenizer
 
     try:
         tokenizer = build_bpe_tokenizer(cfg.kind, list(cfg.special_tokens), max_ranks=int(cfg.max_ranks))

@@ -26,26 +26,26 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from miles.checkpoint import Checkpoint, model_signature, save_checkpoint
+from miles.run.checkpoint import Checkpoint, model_signature, save_checkpoint
 from miles.config import load_config, validate_config
 from miles.config.algorithms import apply_estimator_defaults
 from miles.config.validate import component_node, resolve_tool, split_node
-from miles.agentic.remote import RemoteSandbox
-from miles.distill import make_teacher
+from miles.sandboxes.remote import RemoteSandbox
+from miles.loop.distill import make_teacher
 from miles.errors import RunError
-from miles.evaluation import evaluate_sets
-from miles.loop import Components, evaluate, sft_step
+from miles.loop.evaluation import evaluate_sets
+from miles.loop.step import Components, evaluate, sft_step
 from miles.plugins import PluginManager, build_plugin_manager
 from miles.registry import KINDS, Registry
-from miles.preflight import batch_arithmetic, chat_format, context_length, eval_inputs, preflight
-from miles.progress import progress
-from miles.rollouts_io import RolloutWriter
+from miles.run.preflight import batch_arithmetic, chat_format, context_length, eval_inputs, preflight
+from miles.run.progress import progress
+from miles.loop.saved_rollouts import RolloutWriter
 from miles.rollout.collect import GroupCollector
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt, PromptSource
 from miles.rollout.generate import with_time_limit
 from miles.rollout.plane import RolloutPlane
-from miles.schedules import make_schedule, stream_settings
+from miles.loop.schedules import make_schedule, stream_settings
 from miles.train.regularizers import regularized
 from miles.train.torch_backend import rng_state, set_rng_state
 
@@ -129,10 +129,10 @@ class _Run:
     train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
     loggers: list[Any]
-    eval_sets: list[Any]  # miles.evaluation.EvalSet: the eval section's datasets
+    eval_sets: list[Any]  # miles.loop.evaluation.EvalSet: the eval section's datasets
     closing: ExitStack
     cluster: Any = None  # miles.cluster.RayCluster, when engines or the backend run on Ray
-    ray_num_cpus: int | None = None  # CPUs of a local Ray instance (see miles.preflight)
+    ray_num_cpus: int | None = None  # CPUs of a local Ray instance (see miles.run.preflight)
     base_model: str = ""  # the model the run starts from, before any SFT; its architecture is checked on resume
     resume_from: Checkpoint | None = None
     chat_format: Any = None  # miles.agentic.chat_format.BoundFormat (None: no format fits the tokenizer)
@@ -210,7 +210,7 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
         engine.load_model(model_path)
         return RolloutPlane(local_engines=[engine], threaded=streaming)
 
-    from miles.rollout.ray_engines import launch_engines, shutdown_engines
+    from miles.engine.ray_actors import launch_engines, shutdown_engines
 
     cluster_cfg = p.config.cluster
     cluster = run.ray_cluster()
@@ -237,8 +237,8 @@ def _rollout_plane(run: _Run, model_path: str, transport: Any) -> RolloutPlane:
 
 def _engine_launcher(p: Prepared, engine_args: dict[str, Any]) -> Any:
     """What each engine actor serves with: the registered engine when it is a server launcher (e.g. ``sglang``),
-    else the in-process engine served from the actor (:class:`~miles.rollout.engine_launcher.EmbeddedLauncher`)."""
-    from miles.rollout.engine_launcher import EmbeddedLauncher, is_server_launcher
+    else the in-process engine served from the actor (:class:`~miles.engine.launchers.EmbeddedLauncher`)."""
+    from miles.engine.launchers import EmbeddedLauncher, is_server_launcher
 
     if is_server_launcher(p.registry.get("rollout_engine", engine_args["name"]).obj):
         return p.registry.build("rollout_engine", engine_args, "rollout.engine")
@@ -333,7 +333,7 @@ def _setup_rl_backend(p: Prepared, backend: Any, model_path: str, seed: int) -> 
 
 
 def _training_parts(p: Prepared) -> dict[str, Any]:
-    """The training side of :class:`~miles.loop.Components`: advantage, loss with its regularizers, KL penalty."""
+    """The training side of :class:`~miles.loop.step.Components`: advantage, loss with its regularizers, KL penalty."""
     config, reg = p.config, p.config.regularization
     return dict(
         mask_off_policy=config.rollout.mask_off_policy,
@@ -491,7 +491,7 @@ def _rl_phase(run: _Run, model_path: str) -> str:
 
 
 def evaluate_model(p: Prepared, model_dir: str) -> dict[str, float]:
-    """``miles eval``: the eval section's datasets (see :func:`miles.preflight.eval_inputs`) on the model in
+    """``miles eval``: the eval section's datasets (see :func:`miles.run.preflight.eval_inputs`) on the model in
     ``model_dir``, with the config's engine, rollout function, env and reward; nothing is trained or written."""
     config = p.config
     tokenizer, sets = eval_inputs(p, model_dir)
@@ -526,7 +526,7 @@ def start_loggers(p: Prepared, run_dir: Path, closing: ExitStack) -> list[Any]:
 def train(p: Prepared) -> dict[str, Any]:
     """Run every phase; returns the summary (also written to ``<run.dir>/summary.json``).
 
-    Every check runs first (:func:`miles.preflight.preflight`); ``run.dir`` changes only after all passed.
+    Every check runs first (:func:`miles.run.preflight.preflight`); ``run.dir`` changes only after all passed.
     """
     config, run_cfg, started = p.config, p.config.run, time.perf_counter()
     seed = int(run_cfg.seed)

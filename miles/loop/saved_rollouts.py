@@ -90,7 +90,7 @@ def write_step(directory: str | Path, step: int, samples: list[Sample]) -> Path:
         "rollout_logprobs": _logprobs_array([v for s in samples for v in s.rollout_logprobs]),
     }
     if any(r is not None for r in routed):
-        from miles.moe import compact, expand
+        from miles.models.moe import compact, expand
 
         present = [expand(r) for r in routed if r is not None]
         arrays["routed_experts"] = compact(np.concatenate(present))
@@ -160,7 +160,7 @@ def _samples(arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> list[Sample
     masks, logprobs = _split(arrays["loss_mask"], response_lens), _split(arrays["rollout_logprobs"], response_lens)
     routed: list[Any] = [None] * len(rows)
     if "routed_experts" in arrays:
-        from miles.moe import compact, expand
+        from miles.models.moe import compact, expand
 
         lens = arrays["routed_lens"]
         present = _split(expand(arrays["routed_experts"]), np.asarray([n for n in lens if n >= 0]))

@@ -21,7 +21,7 @@ from miles.errors import ConfigError
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt, encode_rows, read_rows
 from miles.rollout.generate import make_groups, run_rollouts
-from miles.rollout.reward import score_samples
+from miles.rewards.scoring import score_samples
 from miles.types import SampleStatus
 
 __all__ = ["EvalSet", "pass_at_k", "read_eval_sets", "evaluate_set", "evaluate_sets"]

@@ -20,13 +20,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from miles.checkpoint import Checkpoint, check_compatible, model_signature, newest_intact_checkpoint
+from miles.run.checkpoint import Checkpoint, check_compatible, model_signature, newest_intact_checkpoint
 from miles.config.schema import EvalDatasetConfig, EvalSamplingConfig
 from miles.config.validate import component_node, split_node
-from miles.distill import check_teacher
+from miles.loop.distill import check_teacher
 from miles.errors import ConfigError, DataError
-from miles.evaluation import EvalSet, read_eval_sets
-from miles.models import build_model_dir, load_tokenizer, read_chat_template
+from miles.loop.evaluation import EvalSet, read_eval_sets
+from miles.models.hf import build_model_dir, load_tokenizer, read_chat_template
 from miles.rollout.data_source import Prompt, encode_rows, read_rows
 
 __all__ = ["Staged", "chat_format", "eval_inputs", "preflight", "run_tokenizer"]
@@ -260,7 +260,7 @@ def _resume_checkpoint(run_dir: Path, p: Any, base_model: str, stack: list[dict[
 
 def _check_traces(prompts: list[Prompt], tokenizer: Any, key: str, path: str, context: int) -> None:
     """Every SFT conversation (``sft.messages_key``) renders and fits the context."""
-    from miles.loop import conversation_sample
+    from miles.loop.step import conversation_sample
 
     for prompt in prompts:
         try:

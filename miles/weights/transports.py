@@ -28,7 +28,7 @@ import aiohttp
 import torch
 
 from miles.errors import ConfigError
-from miles.rollout.router import EngineRequestError
+from miles.engine.router import EngineRequestError
 from miles.weights.shm import SHM_DIR, SHM_PATH, WeightFile, host_id
 from miles.weights.wire import broadcast_tensors, open_weight_group, tensor_bytes
 
@@ -133,7 +133,7 @@ class DiskTransport:
         if plane.remote:
             plane.post_all("/update_weights_from_disk", self._last)
         else:
-            from miles.models import load_model
+            from miles.models.hf import load_model
 
             _copy_to_local(plane, load_model(path).state_dict(), version)
         while len(self._written) > self.keep:

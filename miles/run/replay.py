@@ -2,7 +2,7 @@
 
 The run's ``config.yaml`` (with the given overrides) builds the backend, advantage and loss; the backend starts
 from the model the run's RL phase started from (``rollouts/meta.json``) with the run's seed and torch threads,
-and each saved step goes through :func:`miles.loop.train_groups`, the loop's own training path, with this
+and each saved step goes through :func:`miles.loop.step.train_groups`, the loop's own training path, with this
 process's RNG as that step found it (a distillation run's teacher scores them again). Without overrides, every ``train/*`` metric of every step equals the
 original's. Nothing under RUN_DIR changes but the output folder (``RUN_DIR/replay`` by default).
 """
@@ -22,11 +22,11 @@ import torch
 from omegaconf import OmegaConf
 
 from miles.config.validate import component_node
-from miles.distill import make_teacher
+from miles.loop.distill import make_teacher
 from miles.errors import ConfigError, DataError
-from miles.loop import Components, train_groups
-from miles.progress import progress
-from miles.rollouts_io import groups_of, read_meta, read_step, restore_rng, saved_steps, step_path
+from miles.loop.step import Components, train_groups
+from miles.run.progress import progress
+from miles.loop.saved_rollouts import groups_of, read_meta, read_step, restore_rng, saved_steps, step_path
 
 __all__ = ["replay"]
 
@@ -71,12 +71,12 @@ def _out_dir(run_dir: Path, out: str | Path | None, overwrite: bool) -> Path:
 
 
 def _backend(p: Any, out: Path, closing: ExitStack) -> Any:
-    """The configured backend, as :meth:`miles.runner._Run.build_backend` builds it (on Ray when it uses Ray)."""
+    """The configured backend, as :meth:`miles.run.runner._Run.build_backend` builds it (on Ray when it uses Ray)."""
     node = component_node(p.config.backend)
     if not getattr(p.registry.get("backend", node["name"]).obj, "uses_ray", False):
         return p.registry.build("backend", node, "backend")
     from miles.cluster import RayCluster
-    from miles.preflight import _check_cpus
+    from miles.run.preflight import _check_cpus
 
     trial = p.registry.build("backend", node, "backend")
     cluster = RayCluster(p.config.cluster, out, num_cpus=_check_cpus(p.config, trial))
@@ -90,7 +90,7 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = (), out: str | Path |
            steps: int | None = None, overwrite: bool = False, extra_plugins: Sequence[Any] = ()) -> dict[str, Any]:
     """Train on the first ``steps`` (default: all) saved steps of ``run_dir``; metrics go to ``out``'s loggers
     (``metrics.jsonl``), and a summary to ``out/summary.json``, which is returned."""
-    from miles.runner import _setup_rl_backend, _training_parts, plugin_stack, prepare, start_loggers
+    from miles.run.runner import _setup_rl_backend, _training_parts, plugin_stack, prepare, start_loggers
 
     started = time.perf_counter()
     run_dir = Path(run_dir)

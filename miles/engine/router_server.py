@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from miles.rollout.router import EngineRequestError, NoHealthyEngine, Router
+from miles.engine.router import EngineRequestError, NoHealthyEngine, Router
 
 __all__ = ["build_router_app", "serve_router"]
 

@@ -94,7 +94,7 @@ def start_teacher(distill: Any, p: Any, student_dir: str, closing: Any) -> tuple
     from miles import interrupts
     from miles.config.validate import split_node
     from miles.rollout.plane import EventLoopThread
-    from miles.rollout.router import Router
+    from miles.engine.router import Router
 
     if distill.teacher_url:
         loop = EventLoopThread()

@@ -20,7 +20,7 @@ from miles.engine import LocalEngine
 from miles.rollout.plane import RolloutPlane
 from miles.engine.router import Router
 from miles.testing import build_tiny_model, make_train_batch
-from miles.builtin.losses import ppo_clip
+from miles.train.losses import ppo_clip
 from miles.train.torch_backend import TorchBackend
 from miles.weights.transports import InProcessTransport, SharedMemoryTransport, TensorTransport
 

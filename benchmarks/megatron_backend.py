@@ -91,7 +91,7 @@ def convert(args: argparse.Namespace) -> None:
 def step(args: argparse.Namespace) -> None:
     import torch
 
-    from miles.builtin.losses import ppo_clip
+    from miles.train.losses import ppo_clip
     from miles.testing import build_tiny_model, make_train_batch
     from miles.train.torch_backend import TorchBackend
 

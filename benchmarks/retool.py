@@ -19,11 +19,11 @@ from statistics import fmean
 import torch
 
 from miles.agentic.tool_calls import PythonBlockParser
-from miles.builtin.rewards import exact_match
-from miles.sandboxes.local import LocalSandbox
+from miles.rewards import exact_match
+from miles.agentic.sandboxes.local import LocalSandbox
 from miles.agentic.tool_env import ToolEnv, execute_python_code
 from miles.engine import LocalEngine
-from miles.loop.step import evaluate
+from miles.loop.evaluation import evaluate
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import encode_rows, read_rows
 from miles.rollout.multi_turn import MultiTurn

@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 
-from miles.sandboxes.local import LocalSandbox, bwrap_problem, describe_isolation
+from miles.agentic.sandboxes.local import LocalSandbox, bwrap_problem, describe_isolation
 
 COMMAND = "python3 -c 'print(1)'"
 BATCH = 16

@@ -6,7 +6,13 @@ __version__ = "0.1.0"
 
 hookimpl = pluggy.HookimplMarker("miles")
 
-from miles.registry import batched  # noqa: E402  (after hookimpl: builtin plugins import it)
+
+def batched(fn):
+    """Mark a reward function as batched: it takes a list of samples and returns a list."""
+    fn.miles_batched = True
+    return fn
+
+
 from miles.types import Group, LossInputs, Sample, SampleStatus, TrainBatch  # noqa: E402
 from miles.agentic.types import Action, EnvContext, ExecResult, StepResult, Tool, ToolCall, ToolResult, tool  # noqa: E402
 

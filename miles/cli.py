@@ -44,7 +44,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from miles.run.preflight import preflight
-    from miles.run.runner import plugin_stack, prepare
+    from miles.config.prepared import prepare
+    from miles.registry import plugin_stack
 
     p = prepare(args.config, args.overrides)
     preflight(p, plugin_stack(p.pm, p.registry)).discard()
@@ -55,7 +56,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_plugins(args: argparse.Namespace) -> int:
     from miles.plugins import build_plugin_manager
     from miles.registry import Registry
-    from miles.run.runner import plugin_stack
+    from miles.registry import plugin_stack
 
     pm = build_plugin_manager()
     stack = plugin_stack(pm, Registry.from_plugin_manager(pm))

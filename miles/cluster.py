@@ -12,7 +12,7 @@ from typing import Any
 
 from miles.errors import RunError
 
-__all__ = ["RayCluster", "describe_capacity"]
+__all__ = ["RayCluster", "describe_capacity", "describe_nodes", "dead_node"]
 
 _LOCAL_AMOUNT = 10_000.0  # of each custom resource on a local instance: more than any run reserves
 _MAX_TEMP_DIR = 60  # Ray puts unix sockets under the temp dir; their paths must stay short
@@ -77,3 +77,17 @@ def describe_capacity(ray: Any, bundle: dict[str, float]) -> str:
              for n in ray.nodes() if n.get("Alive")]
     return (f"the cluster has {', '.join(f'{k}={total.get(k, 0):g} (free {free.get(k, 0):g})' for k in bundle)}; "
             f"live nodes: {'; '.join(nodes) or 'none'}")
+
+
+def describe_nodes(ray: Any, node_ids: list[str]) -> str:
+    """``<address> (<id>)`` of each node, in order (the engines' placement, printed at start)."""
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return ", ".join(f"{address.get(node, '?')} ({node[:8]})" for node in node_ids)
+
+
+def dead_node(ray: Any, node_id: str) -> str | None:
+    """``"<address> (<id>)"`` when Ray knows node ``node_id`` as dead, else None."""
+    for node in ray.nodes():
+        if node["NodeID"] == node_id and not node.get("Alive"):
+            return f"{node['NodeManagerAddress']} ({node_id[:8]})"
+    return None

@@ -5,7 +5,7 @@ The CLI prints ``str(error)`` without a traceback and exits with ``error.exit_co
 
 from __future__ import annotations
 
-__all__ = ["MilesError", "ConfigError", "PluginError", "DataError", "RunError", "EXIT_USAGE"]
+__all__ = ["MilesError", "ConfigError", "PluginError", "DataError", "RunError", "EngineRequestError", "EXIT_USAGE"]
 
 EXIT_USAGE = 2
 
@@ -38,3 +38,8 @@ class RunError(MilesError):
     """The run started but cannot go on (e.g. too many failed samples)."""
 
     exit_code = 1
+
+
+class EngineRequestError(ValueError):
+    """An engine refused a request (HTTP 400): the request is wrong, retrying will not help. Raised by the
+    router to rollout functions and to weight transports alike."""

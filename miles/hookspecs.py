@@ -11,7 +11,8 @@ of the same kind is an error; a plugin replaces a builtin only with ``override=T
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+import inspect
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import pluggy
 
@@ -20,13 +21,31 @@ if TYPE_CHECKING:
 
     from miles.types import Group
 
-__all__ = ["hookspec", "Register"]
+__all__ = ["hookspec", "Register", "takes_option", "ValueEstimator", "ClosingRolloutFn", "BackgroundEngine",
+           "LoraEngine", "ProtocolLauncher", "MemorySaverLauncher",
+           "RoutedExpertsLauncher", "DescribedSandbox", "CheckedSandbox", "HostedSandbox", "RayBackend",
+           "ClosingTransport", "DiskTransportSwitch", "SnapshotTransport", "RewindableLogger"]
 
 hookspec = pluggy.HookspecMarker("miles")
 
 
 class Register(Protocol):
     def __call__(self, name: str, obj: Any, *, override: bool = False) -> None: ...
+
+
+# Optional capabilities: a component may offer more than its hook requires. Each is a Protocol below the hook
+# of its kind, and Miles asks for it with ``isinstance(component, Protocol)`` (its class, before it is built),
+# nowhere else; docs/hooks.md lists them.
+
+
+def takes_option(factory: Any, name: str) -> bool:
+    """Whether ``factory`` (a class or function, or a ``functools.partial`` of one) takes keyword ``name`` and has
+    not been given it yet: how Miles offers a sandbox the run's ``workspace_root`` and ``run_id``."""
+    given = getattr(factory, "keywords", None) or {}
+    try:
+        return name in inspect.signature(factory).parameters and name not in given
+    except (TypeError, ValueError):
+        return False
 
 
 # -------------------------------------------------------------------------------------------------
@@ -53,6 +72,14 @@ def miles_register_advantages(register: Register) -> None:
     An estimator is ``fn(batch: TrainBatch, **args) -> Tensor[B, L-1]``: one advantage per
     target-aligned token (only positions where ``batch.loss_mask`` is 1 are used).
     """
+
+
+@runtime_checkable
+class ValueEstimator(Protocol):
+    """An estimator with ``needs_values = True`` gets ``batch.values``, the value model's (which the backend then
+    loads beside the policy, from its checkpoint with a new scalar head, and trains): ``ppo``."""
+
+    needs_values: bool
 
 
 @hookspec
@@ -83,6 +110,14 @@ def miles_register_rollout_fns(register: Register) -> None:
     """
 
 
+@runtime_checkable
+class ClosingRolloutFn(Protocol):
+    """A rollout function (or the object it is a method of) with ``async aclose()`` is closed when the run ends,
+    after a failure or Ctrl-C too: e.g. the envs of multi-turn trajectories waiting to be continued."""
+
+    async def aclose(self) -> None: ...
+
+
 @hookspec
 def miles_register_rollout_engines(register: Register) -> None:
     """Register rollout engines, selected with ``rollout.engine.name``.
@@ -104,6 +139,46 @@ def miles_register_rollout_engines(register: Register) -> None:
     ``num_engines >= 1``. :class:`miles.engine.launchers.SubprocessLauncher` is the base for a
     server command run in a process group of its own.
     """
+
+
+@runtime_checkable
+class BackgroundEngine(Protocol):
+    """An in-process engine with ``background`` generates in a thread of its own when set true: Miles sets it
+    for the streaming schedules, where rollouts go on while the trainer trains."""
+
+    background: bool
+
+
+@runtime_checkable
+class LoraEngine(Protocol):
+    """An engine with ``accepts_lora_adapters = True`` merges the LoRA adapters a push sends into the base weights
+    it keeps (``backend.lora.sync: adapters``)."""
+
+    accepts_lora_adapters: bool
+
+
+@runtime_checkable
+class ProtocolLauncher(Protocol):
+    """A server launcher's ``protocol``: ``"miles"`` (what it is taken for without one) or ``"sglang"``, whose
+    servers take weights only as checkpoints on disk or a broadcast (``auto`` then sends them on disk)."""
+
+    protocol: str
+
+
+@runtime_checkable
+class MemorySaverLauncher(Protocol):
+    """A server launcher whose ``enable_memory_saver`` is None leaves it to Miles: true when the run releases the
+    engines' memory while training (``rollout.engine.release_memory_during_train``)."""
+
+    enable_memory_saver: bool | None
+
+
+@runtime_checkable
+class RoutedExpertsLauncher(Protocol):
+    """A server launcher whose ``enable_return_routed_experts`` is None leaves it to Miles: true when the run asks
+    for each token's expert ids (``rollout.return_routed_experts``)."""
+
+    enable_return_routed_experts: bool | None
 
 
 @hookspec
@@ -146,6 +221,33 @@ def miles_register_sandboxes(register: Register) -> None:
     command does may reach outside the workspace or the network. :class:`miles.testing.SandboxConformance`
     is the test suite every sandbox plugin runs.
     """
+
+
+@runtime_checkable
+class DescribedSandbox(Protocol):
+    """A sandbox class with ``describe(**options) -> str`` says at start what isolation it gives."""
+
+    def describe(self, **options: Any) -> str: ...
+
+
+@runtime_checkable
+class CheckedSandbox(Protocol):
+    """A sandbox class with ``async preflight(**options)`` checks at start that its service answers (in bounded
+    time); raising fails the start."""
+
+    async def preflight(self, **options: Any) -> None: ...
+
+
+@runtime_checkable
+class HostedSandbox(Protocol):
+    """A sandbox class with ``async close_all(run_id=None)`` closes the sandboxes still open when the run ends
+    (after a failure or Ctrl-C too); with a ``run_id`` parameter, only that run's.
+
+    Two constructor keywords are offered too (:func:`takes_option`): ``workspace_root``, a folder of the run's
+    that goes with it, and ``run_id``, the run's tag (always given to a :class:`miles.agentic.RemoteSandbox`),
+    which ``miles sandbox gc`` finds what a killed run left by."""
+
+    async def close_all(self, run_id: str | None = None) -> int: ...
 
 
 @hookspec
@@ -198,6 +300,20 @@ def miles_register_backends(register: Register) -> None:
     """
 
 
+@runtime_checkable
+class RayBackend(Protocol):
+    """A backend whose workers are Ray actors (``uses_ray = True``): Miles starts or joins the cluster before
+    building it, reserves its ``ray_cpus``, and sets ``ray_resources`` (``cluster.train_resources``) before
+    ``setup``. Any other backend trains in the driver (or, with engines on Ray and the sync schedule, in an
+    actor of its own)."""
+
+    uses_ray: bool
+    ray_resources: dict[str, float]
+
+    @property
+    def ray_cpus(self) -> float: ...
+
+
 @hookspec
 def miles_register_logprob_kernels(register: Register) -> None:
     """Register log-prob kernels, selected with ``backend.logprob_kernel`` (used when
@@ -237,11 +353,36 @@ def miles_register_weight_transports(register: Register) -> None:
     ``push(backend, plane, version) -> int`` sends the backend's current weights, tagged with the
     policy version, to every engine of the rollout plane and returns the bytes moved, and whose
     ``async catch_up(plane, engine)`` brings a re-admitted engine to the last pushed weights.
+    ``plane`` is a :class:`miles.weights.fleet.Engines` (in-process engines, or a
+    :class:`~miles.weights.fleet.Fleet` over HTTP as ``plane.router``).
     ``push`` records what it sends before posting, and posts to the engines in service through
     ``plane.router.post_all`` (an engine that fails is quarantined, the push completes on the others);
     ``catch_up`` repeats until the engine holds the last recorded version, so an engine re-admitted
     while a push was under way does not stay behind.
     """
+
+
+@runtime_checkable
+class ClosingTransport(Protocol):
+    """A transport with ``close()`` is closed when the run ends (e.g. shm's file under /dev/shm)."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class DiskTransportSwitch(Protocol):
+    """A transport with ``use_disk()`` is told to send checkpoints on disk from then on, for engines that take
+    only those (SGLang servers): ``auto``."""
+
+    def use_disk(self) -> None: ...
+
+
+@runtime_checkable
+class SnapshotTransport(Protocol):
+    """A transport whose push reads only ``backend.export_weights()`` says so with ``exports_only = True``: a
+    streaming schedule then pushes a copy of the weights in a thread of its own while the trainer goes on."""
+
+    exports_only: bool
 
 
 @hookspec
@@ -254,6 +395,13 @@ def miles_register_loggers(register: Register) -> None:
     what the interrupted run logged from that step on is dropped. Builtins: ``jsonl``, ``tensorboard``
     and ``wandb`` (docs/observability.md).
     """
+
+
+@runtime_checkable
+class RewindableLogger(Protocol):
+    """A logger with ``rewind(step)`` drops what an interrupted run logged from ``step`` on (``run.resume``)."""
+
+    def rewind(self, step: int) -> None: ...
 
 
 @hookspec

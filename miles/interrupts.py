@@ -1,4 +1,4 @@
-"""Stopping a run on SIGINT or SIGTERM, even when the signal lands where Python swallows exceptions.
+"""Stopping work: a run on SIGINT or SIGTERM, and a stage (rollout function, reward) past its time limit.
 
 The CLI's handlers raise in the main thread so that the run unwinds (engines, Ray and workers shut down).
 A signal that arrives while the main thread runs a weakref callback or a ``__del__`` has its exception
@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import sys
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["Terminated", "handling", "check", "run"]
+__all__ = ["Terminated", "handling", "check", "run", "TimedOut", "with_time_limit", "time_limit", "within",
+           "failure_reason"]
 
 T = TypeVar("T")
 
@@ -114,3 +116,38 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
                 signal.signal(signum, _on_signal)
         check()  # the task finished in spite of the cancel
         return result
+
+
+class TimedOut(Exception):
+    """A user function ran past its configured time limit."""
+
+
+def with_time_limit(fn: Callable, timeout_s: float) -> Callable:
+    """``fn``, marked to run under a limit of ``timeout_s`` seconds (0: none) by the rollout and reward
+    stages. The mark is on a new wrapper (``.func`` is ``fn``), never on ``fn`` itself."""
+    limited = functools.partial(fn)
+    limited.miles_timeout_s = float(timeout_s)  # type: ignore[attr-defined]
+    return limited
+
+
+def time_limit(fn: Callable) -> float | None:
+    """The limit :func:`with_time_limit` put on ``fn``, in seconds; None for no limit."""
+    return getattr(fn, "miles_timeout_s", 0.0) or None
+
+
+def failure_reason(stage: str, exc: Exception) -> str:
+    """Why a sample failed: ``stage: timed out after N s``, or ``stage: ErrorType: message``."""
+    return f"{stage}: {exc}" if isinstance(exc, TimedOut) else f"{stage}: {type(exc).__name__}: {exc}"
+
+
+async def within(timeout_s: float | None, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable``; past ``timeout_s`` seconds (None: no limit) it is cancelled and TimedOut raised.
+    A TimeoutError that the awaitable raises itself passes through unchanged."""
+    limit = asyncio.timeout(timeout_s)
+    try:
+        async with limit:
+            return await awaitable
+    except TimeoutError:
+        if limit.expired():
+            raise TimedOut(f"timed out after {timeout_s:g} s") from None
+        raise

@@ -14,14 +14,14 @@ import functools
 import importlib
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from miles.errors import ConfigError, PluginError
 from miles.plugins import PluginInfo, PluginManager
 
-__all__ = ["KINDS", "Kind", "Entry", "Registry", "batched", "nested_nodes"]
+__all__ = ["KINDS", "Kind", "Entry", "Registry", "nested_nodes", "plugin_stack"]
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,6 @@ KINDS: dict[str, Kind] = {
 }
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
-
-
-def batched(fn: Callable) -> Callable:
-    """Mark a reward function as batched: it takes a list of samples and returns a list."""
-    fn.miles_batched = True  # type: ignore[attr-defined]
-    return fn
 
 
 def nested_nodes(obj: Any, args: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
@@ -298,3 +292,19 @@ def _check_args(entry: Entry, kind: Kind, args: dict[str, Any]) -> list[str]:
         if param.default is param.empty and name not in args:
             problems.append(f"{name}: {kind.name} {entry.name!r} requires argument {name!r}")
     return problems
+
+
+def plugin_stack(pm: PluginManager, registry: Registry) -> list[dict[str, Any]]:
+    """Every plugin with its version and what it registered, by kind (``run.json``'s ``plugins``)."""
+    stack = []
+    for name, info in pm.info.items():
+        registered: dict[str, list[str]] = {}
+        for kind in KINDS:
+            names = [e.name for e in registry.entries(kind) if e.plugin.name == name]
+            if names:
+                registered[kind] = names
+        stack.append(
+            {"name": name, "version": info.version, "distribution": info.distribution,
+             "module": info.module, "builtin": info.builtin, "registered": registered}
+        )
+    return stack

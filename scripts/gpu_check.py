@@ -125,7 +125,7 @@ def check_train_throughput(dry: bool, tmp: Path) -> dict:
     import torch
 
     from miles.builtin.advantages import grpo
-    from miles.builtin.losses import ppo_clip
+    from miles.train.losses import ppo_clip
     from miles.train.torch_backend import TorchBackend
     from miles.types import Sample, SampleStatus, TrainBatch
 
@@ -157,7 +157,6 @@ def check_train_throughput(dry: bool, tmp: Path) -> dict:
 
 def check_weight_sync(dry: bool, tmp: Path) -> dict:
     """Push the model's weights to a `miles engine serve` process with each transport; seconds per push."""
-    import asyncio
 
     from miles.rollout.plane import RolloutPlane
     from miles.engine.router import Router

@@ -9,7 +9,7 @@ import torch
 from types import SimpleNamespace
 
 from miles.builtin.advantages import batch_whiten, dr_grpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo
-from miles.builtin.losses import aggregate, ppo_clip, sft
+from miles.train.losses import aggregate, ppo_clip, sft
 from miles.errors import ConfigError
 from miles.run.runner import prepare
 from miles.types import LossInputs, Sample, SampleStatus, TrainBatch

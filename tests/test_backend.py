@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.builtin.losses import ppo_clip
+from miles.train.losses import ppo_clip
 from miles.train.torch_backend import TorchBackend
 from miles.testing import BackendConformance, make_train_batch
 

@@ -200,7 +200,7 @@ def test_split_continues_the_trajectory_as_a_new_sample_and_both_train():
 
 def test_split_parts_share_their_trajectory_s_advantage_and_count_once_in_the_group():
     from miles.builtin.advantages import grpo
-    from miles.loop.step import segment_advantages
+    from miles.loop.learner import segment_advantages
 
     split, _, _ = _play("split")
     plain, _, _ = _play("retokenize")

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import miles
-from miles.builtin.losses import ppo_clip
-from miles.builtin.rewards import exact_match
+from miles.train.losses import ppo_clip
+from miles.rewards import exact_match
 from miles.cli import main
 from miles.run.replay import replay
 from miles.rollout.single_turn import single_turn
@@ -237,7 +237,7 @@ def test_local_mode_runs_rollouts_rewards_and_losses_on_the_main_thread(tmp_path
 
 def test_breakpoint_in_a_reward_stops_in_pdb_with_local_mode(tmp_path):
     (tmp_path / "bp_reward.py").write_text(textwrap.dedent("""
-        from miles.builtin.rewards import exact_match
+        from miles.rewards import exact_match
 
         stopped = False
 

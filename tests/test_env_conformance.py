@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from miles import StepResult
-from miles.sandboxes.local import LocalSandbox
+from miles.agentic.sandboxes.local import LocalSandbox
 from miles.testing import EnvConformance
 
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import miles
-from miles.builtin.losses import ppo_clip
+from miles.train.losses import ppo_clip
 from miles.errors import ConfigError
 from miles.testing import make_registry, make_train_batch
 from miles.train import kernels

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.builtin.losses import ppo_clip
+from miles.train.losses import ppo_clip
 from miles.cli import main
 from miles.engine.local import LocalEngine
 from miles.errors import ConfigError

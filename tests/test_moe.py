@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from miles.builtin.losses import ppo_clip
+from miles.train.losses import ppo_clip
 from miles.builtin.selectors import OverSampling
 from miles.cli import main
 from miles.engine.local import LocalEngine

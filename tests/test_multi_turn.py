@@ -14,7 +14,8 @@ from miles.agentic.types import StepResult, tool
 from miles.agentic.tool_env import ToolEnv
 from miles.engine.local import LocalEngine
 from miles.rollout.context import RolloutContext
-from miles.rollout.generate import run_one, with_time_limit
+from miles.interrupts import with_time_limit
+from miles.rollout.generate import run_one
 from miles.rollout.multi_turn import MultiTurn
 from miles.types import Sample, SampleStatus
 

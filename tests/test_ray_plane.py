@@ -153,7 +153,7 @@ class SuicidalLoss:
 
     @miles.hookimpl
     def miles_register_losses(self, register):
-        from miles.builtin.losses import ppo_clip
+        from miles.train.losses import ppo_clip
 
         def dying_ppo_clip(inputs):
             if inputs.batch.samples[0].group_index >= 2 * 4:

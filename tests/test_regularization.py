@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from miles.builtin.losses import sft
+from miles.train.losses import sft
 from miles.run.runner import prepare, train
 from miles.train.regularizers import kl_estimate, regularized
 from miles.types import LossInputs

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from miles.agentic import PermanentError, RemoteSandbox
-from miles.sandboxes.local import LocalSandbox, bwrap_problem
+from miles.agentic.sandboxes.local import LocalSandbox, bwrap_problem
 from miles.testing import SandboxConformance
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap: {bwrap_problem()}")

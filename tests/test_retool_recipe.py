@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from miles.agentic.tool_calls import PythonBlockParser
-from miles.sandboxes.local import LocalSandbox
+from miles.agentic.sandboxes.local import LocalSandbox
 from miles.agentic.tool_env import ToolEnv, execute_python_code
 from miles.engine.local import LocalEngine
 from miles.rollout.context import RolloutContext

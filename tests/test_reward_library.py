@@ -12,7 +12,7 @@ from miles.errors import ConfigError
 from miles.rewards import extract_answer, extract_choice
 from miles.rewards.code_tests import last_python_block, split_tests
 from miles.rewards.token_f1 import normalize_answer
-from miles.rollout.generate import with_time_limit
+from miles.interrupts import with_time_limit
 from miles.rewards.scoring import score_samples
 from miles.testing import make_registry, make_sample
 from miles.types import SampleStatus

@@ -18,7 +18,8 @@ import urllib.request
 
 import pytest
 
-from miles.engine.router import EngineGone, EngineRequestError, NoHealthyEngine, Router
+from miles.engine.router import EngineGone, NoHealthyEngine, Router
+from miles.errors import EngineRequestError
 
 
 def free_port() -> int:

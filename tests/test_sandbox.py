@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.sandboxes import local
-from miles.sandboxes.local import LocalSandbox, describe_isolation
+from miles.agentic.sandboxes import local as sandboxes
+from miles.agentic.sandboxes.local import LocalSandbox, describe_isolation
 from miles.testing import SandboxConformance, make_registry
 
 needs_bwrap = pytest.mark.skipif(sandboxes.bwrap_problem() is not None,
@@ -106,7 +106,7 @@ while True:
 """
 
 
-@needs_bwrap  # subprocess mode has no process limit (see miles.sandboxes.local)
+@needs_bwrap  # subprocess mode has no process limit (see miles.agentic.sandboxes.local)
 def test_the_process_limit_holds_per_run() -> None:
     async def main():
         sandbox = LocalSandbox(isolation="bwrap", max_procs=32)
@@ -187,7 +187,7 @@ def test_no_sandbox_process_outlives_a_killed_rollout(isolation: str, workspace_
     sleep = unique_sleep()
     script = textwrap.dedent(f"""
         import asyncio
-        from miles.sandboxes.local import LocalSandbox
+        from miles.agentic.sandboxes.local import LocalSandbox
         sandbox = LocalSandbox(isolation={isolation!r}, workspace_root={workspace_root!r})
         asyncio.run(sandbox.run({sleep!r} + "; true", timeout_s=600))  # sleep is a grandchild: sh forks it
     """)
@@ -248,7 +248,7 @@ def test_no_sandbox_process_outlives_a_rollout_killed_while_it_starts(isolation:
     sleeps = [unique_sleep() for _ in range(10)]
     script = textwrap.dedent(f"""
         import asyncio, os, random, signal, time
-        from miles.sandboxes.local import LocalSandbox
+        from miles.agentic.sandboxes.local import LocalSandbox
         LocalSandbox(isolation={isolation!r})  # probes bwrap once, before the forks
         for sleep in {sleeps!r}:
             pid = os.fork()

@@ -110,7 +110,7 @@ class FailingLoss:
 
     @miles.hookimpl
     def miles_register_losses(self, register):
-        from miles.builtin.losses import ppo_clip
+        from miles.train.losses import ppo_clip
 
         marker = self.marker
 

@@ -14,7 +14,8 @@ import miles
 from miles.errors import ConfigError, RunError
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt
-from miles.rollout.generate import make_groups, run_rollouts, time_limit, with_time_limit
+from miles.interrupts import time_limit, with_time_limit
+from miles.rollout.generate import make_groups, run_rollouts
 from miles.rewards.scoring import score_samples
 from miles.rollout.single_turn import single_turn
 from miles.run.runner import prepare, train

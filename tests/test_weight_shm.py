@@ -30,7 +30,8 @@ from miles.weights.shm import (
 )
 from miles.rollout.plane import RolloutPlane
 from miles.testing import serve_in_thread
-from miles.engine.router import EngineRequestError, Router
+from miles.engine.router import Router
+from miles.errors import EngineRequestError
 from miles.testing import build_tiny_model
 from miles.weights.transports import AutoTransport, SharedMemoryTransport, SharedMemoryUnavailable
 

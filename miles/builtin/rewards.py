@@ -1,34 +1,7 @@
-"""Builtin rewards: ``exact_match`` and ``env`` here, and the reward library of :mod:`miles.rewards`."""
-
-from __future__ import annotations
+"""Registers the builtin rewards: the reward library of :mod:`miles.rewards`."""
 
 from miles import hookimpl
-from miles.rewards import CodeTests, FormatReward, math_reward, multiple_choice, token_f1
-from miles.types import Sample, SampleStatus
-
-
-def exact_match(sample: Sample, strip: bool = True, case_sensitive: bool = True) -> float:
-    """1.0 when the response text equals the label, else 0.0."""
-    response, label = sample.response_text, "" if sample.label is None else str(sample.label)
-    if strip:
-        response, label = response.strip(), label.strip()
-    if not case_sensitive:
-        response, label = response.lower(), label.lower()
-    return float(response == label)
-
-
-def env(sample: Sample, truncated: float = 0.0) -> float | dict[str, float]:
-    """The reward the environment gave (the last non-None ``StepResult.reward`` of a multi-turn rollout).
-
-    A trajectory cut short (TRUNCATED) before the env gave one gets ``truncated``; a finished one without
-    a reward fails (the env never judged it).
-    """
-    if "env_reward" not in sample.metadata and sample.status is SampleStatus.TRUNCATED:
-        return truncated
-    if "env_reward" not in sample.metadata:
-        raise ValueError("the environment gave this trajectory no reward (StepResult.reward was None at every "
-                         "step); use a reward plugin (reward.name) or have the env return one")
-    return sample.metadata["env_reward"]
+from miles.rewards import CodeTests, FormatReward, env, exact_match, math_reward, multiple_choice, token_f1
 
 
 @hookimpl(trylast=True)

@@ -1,7 +1,7 @@
-"""Registers the builtin ``local`` sandbox (:mod:`miles.sandboxes.local`)."""
+"""Registers the builtin ``local`` sandbox (:mod:`miles.agentic.sandboxes.local`)."""
 
 from miles import hookimpl
-from miles.sandboxes.local import LocalSandbox
+from miles.agentic.sandboxes.local import LocalSandbox
 
 
 @hookimpl(trylast=True)

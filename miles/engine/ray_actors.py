@@ -16,11 +16,11 @@ import threading
 import time
 from typing import Any
 
-from miles.cluster import describe_capacity
+from miles.cluster import dead_node, describe_capacity, describe_nodes
 from miles.errors import RunError
 from miles.engine.router import EngineGone, Router
 
-__all__ = ["EngineActor", "launch_engines", "shutdown_engines", "describe_nodes", "dead_node"]
+__all__ = ["EngineActor", "launch_engines", "shutdown_engines"]
 
 log = logging.getLogger(__name__)
 
@@ -162,20 +162,6 @@ def _resolver(ray: Any, router: Router, endpoint: Any, bundle: dict[str, float])
         return url
 
     return resolve
-
-
-def describe_nodes(ray: Any, node_ids: list[str]) -> str:
-    """``<address> (<id>)`` of each node, in order (the engines' placement, printed at start)."""
-    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    return ", ".join(f"{address.get(node, '?')} ({node[:8]})" for node in node_ids)
-
-
-def dead_node(ray: Any, node_id: str) -> str | None:
-    """``"<address> (<id>)"`` when Ray knows node ``node_id`` as dead, else None."""
-    for node in ray.nodes():
-        if node["NodeID"] == node_id and not node.get("Alive"):
-            return f"{node['NodeManagerAddress']} ({node_id[:8]})"
-    return None
 
 
 def shutdown_engines(ray: Any, actors: list[Any], group: Any) -> None:

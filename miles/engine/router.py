@@ -28,15 +28,11 @@ from typing import Any
 
 import aiohttp
 
-from miles.errors import RunError
+from miles.errors import EngineRequestError, RunError
 
-__all__ = ["EngineEndpoint", "Router", "EngineRequestError", "EngineGone", "NoHealthyEngine", "NoEngineLeft"]
+__all__ = ["EngineEndpoint", "Router", "EngineGone", "NoHealthyEngine", "NoEngineLeft"]
 
 log = logging.getLogger(__name__)
-
-
-class EngineRequestError(ValueError):
-    """The engine refused the request (HTTP 400): the request is wrong, retrying will not help."""
 
 
 class EngineGone(Exception):

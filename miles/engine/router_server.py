@@ -11,7 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
-from miles.engine.router import EngineRequestError, NoHealthyEngine, Router
+from miles.engine.router import NoHealthyEngine, Router
+from miles.errors import EngineRequestError
 
 __all__ = ["build_router_app", "serve_router"]
 

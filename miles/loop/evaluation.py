@@ -1,4 +1,4 @@
-"""Evaluation on held-out datasets: ``n`` samples per prompt at the dataset's sampling parameters, scored by
+"""Evaluation: greedy accuracy on held-out prompts (:func:`evaluate`), and held-out datasets: ``n`` samples per prompt at the dataset's sampling parameters, scored by
 the run's reward, through the run's rollout function (multi-turn envs included).
 
 Per dataset ``<name>`` (the ``eval`` section, docs/evaluation.md): ``eval/<name>/mean@<n>`` (the mean reward
@@ -24,7 +24,7 @@ from miles.rollout.generate import make_groups, run_rollouts
 from miles.rewards.scoring import score_samples
 from miles.types import SampleStatus
 
-__all__ = ["EvalSet", "pass_at_k", "read_eval_sets", "evaluate_set", "evaluate_sets"]
+__all__ = ["EvalSet", "evaluate", "evaluate_set", "evaluate_sets", "pass_at_k", "read_eval_sets"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -109,3 +109,19 @@ def evaluate_sets(sets: list[EvalSet], rollout_fn: Callable, ctx: RolloutContext
     for es in sets:
         metrics.update(evaluate_set(es, rollout_fn, ctx, reward_fn))
     return metrics
+
+
+def evaluate(prompts: list[Prompt], rollout_fn: Callable, ctx: RolloutContext, reward_fn: Callable, pass_reward: float) -> dict[str, float]:
+    """Greedy decoding on held-out prompts; failed samples count as unsolved."""
+    if not prompts:
+        return {}
+    groups = make_groups(prompts, 1)
+    samples = [g.samples[0] for g in groups]
+    run_rollouts(groups, rollout_fn, ctx)
+    score_samples(samples, reward_fn)
+    rewards = [s.scalar_reward if s.trainable else 0.0 for s in samples]
+    return {
+        "eval/reward_mean": fmean(rewards),
+        "eval/accuracy": fmean(r >= pass_reward for r in rewards),
+        "eval/failed": sum(not s.trainable for s in samples),
+    }

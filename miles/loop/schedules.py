@@ -1,6 +1,8 @@
 """How rollout and training share time (``run.schedule``), on the stages of :mod:`miles.loop.step`.
 
-``sync``: each step generates its groups, then trains on them (:func:`miles.loop.step.rl_step`).
+Every schedule composes the same stages (:mod:`miles.loop.step`): collect -> learn -> push.
+
+``sync``: each step collects its groups, then learns on them and pushes (:func:`miles.loop.step.sync_step`).
 
 ``one_step_off`` and ``async`` run a :class:`GroupStream` on the rollout plane's event loop, beside the
 trainer: prompts are admitted, their groups generated, rewarded and selected as each completes, and
@@ -34,7 +36,8 @@ from statistics import fmean
 from typing import Any
 
 from miles.config.schema import SCHEDULES
-from miles.loop.step import Components, check_failures, finish_step, push_weights, rl_step, rollout_metrics, train_groups
+from miles.hookspecs import SnapshotTransport
+from miles.loop.step import Step, check_failures, finish_step, push_weights, rollout_metrics, sync_step
 from miles.rollout.collect import Collected
 from miles.rollout.data_source import Prompt
 from miles.rollout.generate import make_groups, run_one
@@ -93,12 +96,12 @@ class GroupStream:
     """Generates groups continuously on the plane's loop; the trainer takes batches with :meth:`take`
     and updates the weights with :meth:`update`. Every method but :meth:`update` runs on the plane's loop."""
 
-    def __init__(self, c: Components, settings: StreamSettings, version: int) -> None:
+    def __init__(self, c: Step, settings: StreamSettings, version: int) -> None:
         self.c, self.s = c, settings
         self.batch = c.prompts_per_step
         self.version = version  # the weights the trainer holds (and the engines serve, between updates)
-        self.engine = _GatedEngine(c.rollout_ctx.engine)
-        self.ctx = replace(c.rollout_ctx, engine=self.engine)
+        self.engine = _GatedEngine(c.ctx.engine)
+        self.ctx = replace(c.ctx, engine=self.engine)
         self.flights: list[_Flight] = []
         self.ready: list[tuple[_Flight, int]] = []  # kept groups with their start version, waiting for the trainer
         self.held: list[int] = []  # per batch the trainer took and whose weights have not reached the engines: its size
@@ -149,7 +152,7 @@ class GroupStream:
 
     def _admit(self, count: int) -> None:
         c = self.c
-        prompts = c.train_data.draw(count, c.collector.chooser)
+        prompts = c.data.draw(count, c.collector.chooser)
         groups = make_groups(prompts, c.n_samples, first_group_index=c.collector.next_group_index)
         c.collector.next_group_index += len(groups)
         if self._idle_since is not None:
@@ -212,7 +215,7 @@ class GroupStream:
                 self.ready.remove(entry)
                 stale += 1
                 if self.s.stale == "retry":  # generated again before anything new
-                    self.c.train_data.requeued.insert(0, entry[0].prompt)
+                    self.c.data.requeued.insert(0, entry[0].prompt)
                 self._notify()
             if len(self.ready) >= self.batch:
                 break
@@ -264,7 +267,7 @@ class GroupStream:
         Read on the loop, where no admission is half done."""
         flights = self.flights + [f for f, _ in self.ready]
         pending = [f.prompt for f in sorted(flights, key=lambda f: f.group.index)]
-        return self.c.train_data.position, pending + list(self.c.train_data.requeued)
+        return self.c.data.position, pending + list(self.c.data.requeued)
 
     async def stop(self) -> None:
         tasks = [t for t in [self._admitter, *(f.task for f in self.flights)] if t is not None]
@@ -290,7 +293,7 @@ class StreamSchedule:
     weights taken when the step ended (for transports that read only ``export_weights``; others push before
     the step ends). The next push, a checkpoint, an evaluation and the end of the run wait for it."""
 
-    def __init__(self, c: Components, settings: StreamSettings, version: int) -> None:
+    def __init__(self, c: Step, settings: StreamSettings, version: int) -> None:
         self.c, self.closed = c, False
         self.settings = settings
         self.version = version  # the trainer's weights
@@ -311,10 +314,16 @@ class StreamSchedule:
         rollout_s = time.perf_counter() - start
         prefill_now = c.plane.prefill_counts_soon()  # the engines answer while the trainer trains
         failed = check_failures(step, samples, c.max_failed_frac)
-        c.pm.hook.miles_rollout_end(step=step, groups=groups)
+        c.hooks.miles_rollout_end(step=step, groups=groups)
         metrics: dict[str, float] = {}
-        if not train_groups(c, step, groups, metrics, lambda: self._update(step)):
+        sync_s = 0.0
+        if c.learner.learn(step, groups, metrics):
+            sync_start = time.perf_counter()
+            self._update(step)
+            sync_s = time.perf_counter() - sync_start
+        else:
             c.plane.run(stream.release(stream.version))  # nothing trained, nothing pushed: the batch is done
+        metrics["time/weight_sync_s"] = sync_s
         prefill_before, self.prefill_seen = self.prefill_seen, prefill_now()
         metrics = {**rollout_metrics(c, Collected(groups, samples, stream_metrics), rollout_s, prefill_before, failed,
                                      prefill_after=self.prefill_seen), **metrics}
@@ -325,11 +334,11 @@ class StreamSchedule:
     def _update(self, step: int) -> None:
         self.settle()
         self.version = step + 1
-        if getattr(self.c.transport, "exports_only", False):
-            weights = {k: v.detach().clone() for k, v in self.c.backend.export_weights().items()}
+        if isinstance(self.c.transport, SnapshotTransport) and self.c.transport.exports_only:
+            weights = {k: v.detach().clone() for k, v in self.c.learner.backend.export_weights().items()}
             self._pushing = self._pusher.submit(self._push, step, _Exported(weights))
         else:
-            self._push(step, self.c.backend)
+            self._push(step, self.c.learner.backend)
 
     def _push(self, step: int, backend: Any) -> None:
         """Push the weights trained at ``step`` the configured way (``update``)."""
@@ -362,18 +371,18 @@ class StreamSchedule:
 
 
 class SyncSchedule:
-    def __init__(self, c: Components) -> None:
+    def __init__(self, c: Step) -> None:
         self.c = c
 
     def step(self, step: int) -> dict[str, float]:
-        return rl_step(self.c, step)
+        return sync_step(self.c, step)
 
     def settle(self) -> None:
         pass
 
     def data_state(self) -> tuple[int, list[Prompt]]:
         """The data's position and the prompts to serve first (see :meth:`GroupStream.snapshot`)."""
-        return self.c.train_data.position, list(self.c.train_data.requeued)
+        return self.c.data.position, list(self.c.data.requeued)
 
     def close(self) -> None:
         pass
@@ -388,7 +397,7 @@ def stream_settings(config: Any) -> StreamSettings:
                           stale=node.stale, update=update)
 
 
-def make_schedule(name: str, c: Components, settings: StreamSettings, version: int) -> Any:
+def make_schedule(name: str, c: Step, settings: StreamSettings, version: int) -> Any:
     """The schedule ``name`` over the components; the stream starts generating at once."""
     if name == "sync":
         return SyncSchedule(c)

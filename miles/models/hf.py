@@ -27,7 +27,8 @@ from transformers.utils import logging as hf_logging
 
 from miles.errors import ConfigError
 
-__all__ = ["build_char_tokenizer", "build_model_dir", "exact_logprobs", "load_model", "load_tokenizer", "save_pretrained"]
+__all__ = ["build_char_tokenizer", "build_model_dir", "context_length", "exact_logprobs", "load_model", "load_tokenizer",
+           "save_pretrained"]
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
@@ -62,7 +63,7 @@ def build_char_tokenizer(alphabet: str, special_tokens: Sequence[str] = (), adde
     return fast
 
 
-TEMPLATES_DIR = Path(__file__).parent / "templates"
+TEMPLATES_DIR = Path(__file__).parent.parent / "templates"
 
 
 def read_chat_template(name_or_path: str, where: str = "model.tokenizer.chat_template") -> str:
@@ -246,3 +247,9 @@ def exact_logprobs(model: PreTrainedModel, input_ids: Sequence[int] | torch.Tens
     if not with_entropy:
         return logprobs
     return logprobs, -(log_p.exp() * log_p).sum(dim=-1)
+
+
+def context_length(model_path: str) -> int:
+    """The model's context in tokens, read from its config.json."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or config.get("n_positions") or 2**31)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles import interrupts
-from miles.rollout.generate import failure_reason, time_limit, within
+from miles.interrupts import failure_reason, time_limit, within
 from miles.types import Sample
 
 __all__ = ["score_samples", "score_samples_async"]

@@ -2,12 +2,14 @@
 
 Local: one in-process :class:`LocalEngine`. Remote: N engines served over HTTP (Ray actors, or
 any SGLang-compatible servers) behind a :class:`Router`. Either way rollout functions call
-``plane.client.generate(...)`` and weight transports reach engines through the plane.
+``plane.client.generate(...)``, and weight transports reach engines through the plane (it is a
+:class:`miles.weights.fleet.Engines`, its router a :class:`~miles.weights.fleet.Fleet`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -86,11 +88,25 @@ class RolloutPlane:
             return interrupts.run(coro)
         return self.aio.run(coro, timeout_s)
 
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the plane's loop without waiting for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.aio.loop)
+
     def post_all(self, path: str, body: dict[str, Any] | bytes, timeout_s: float | None = None,
                  params: dict[str, str] | None = None) -> list[Any]:
         """POST to every engine in service and return the answers of those that took it; one that fails
         is quarantined and catches up when it returns (:meth:`Router.post_all`)."""
         return self.run(self.router.post_all(path, body, timeout_s, params))
+
+    def release_memory(self) -> None:
+        """Engines give their memory back while a colocated trainer trains (SGLang: weights, KV cache, CUDA graphs;
+        ``rollout.engine.release_memory_during_train``)."""
+        self.post_all("/release_memory_occupation", {"tags": None})
+
+    def resume_memory(self, *tags: str) -> None:
+        """Engines take back the memory of ``tags`` (``weights`` before a push, then ``kv_cache`` and
+        ``cuda_graph``)."""
+        self.post_all("/resume_memory_occupation", {"tags": list(tags)})
 
     def prefill_counts(self) -> tuple[int, int]:
         """(prompt tokens the engines admitted, those they ran through the model), summed over the engines since

@@ -25,9 +25,11 @@ from miles.config.schema import EvalDatasetConfig, EvalSamplingConfig
 from miles.config.validate import component_node, split_node
 from miles.loop.distill import check_teacher
 from miles.errors import ConfigError, DataError
+from miles.hookspecs import LoraEngine
 from miles.loop.evaluation import EvalSet, read_eval_sets
-from miles.models.hf import build_model_dir, load_tokenizer, read_chat_template
+from miles.models.hf import build_model_dir, context_length, load_tokenizer, read_chat_template
 from miles.rollout.data_source import Prompt, encode_rows, read_rows
+from miles.train.assemble import build_backend, uses_ray
 
 __all__ = ["Staged", "chat_format", "eval_inputs", "preflight", "run_tokenizer"]
 
@@ -91,10 +93,9 @@ def _check_run_dir(run_cfg: Any) -> Path:
 
 def _trial_backends(p: Any) -> Any:
     """Build the backend nodes (cheap: no model is loaded) so that their option checks run now."""
-    backend = p.build("backend", "backend")
+    backend = build_backend(p)
     if p.config.sft.steps > 0:
-        node = {**component_node(p.config.backend), "lr": float(p.config.sft.lr)}
-        p.registry.build("backend", node, "backend (with sft.lr)")
+        build_backend(p, where="backend (with sft.lr)", lr=float(p.config.sft.lr))
     return backend
 
 
@@ -138,12 +139,6 @@ def _fit_context(prompts: list[Prompt], path: str, room: int, context: int, poli
         raise DataError(f"data file {path!r}: every prompt is longer than the context allows "
                         f"({context} tokens less max_new_tokens={room}); nothing is left to train on")
     return fits, over
-
-
-def context_length(model_path: str) -> int:
-    """The model's context in tokens, read from its config.json."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or config.get("n_positions") or 2**31)
 
 
 def batch_arithmetic(config: Any) -> str:
@@ -204,7 +199,7 @@ def _check_lora(p: Any, model_path: str) -> None:
         return
     engine_args, extra = split_node(p.config.rollout.engine, "rollout.engine")
     engine = p.registry.get("rollout_engine", engine_args["name"]).obj
-    if not getattr(engine, "accepts_lora_adapters", False):
+    if not (isinstance(engine, LoraEngine) and engine.accepts_lora_adapters):
         raise ConfigError(f"backend.lora.sync: adapters needs engines that merge LoRA adapters into the base weights "
                           f"they keep (the embedded engine 'local'); rollout.engine {engine_args['name']!r} cannot "
                           f"take them (SGLang servers load full weights): use backend.lora.sync=merged")
@@ -218,8 +213,8 @@ def _ray_reservation(config: Any, backend: Any) -> tuple[int, float]:
     """(engine actors, logical CPUs for training) that the run reserves on Ray; (0, 0) when it uses no Ray."""
     _, extra = split_node(config.rollout.engine, "rollout.engine")
     engines = 0 if config.cluster.local_mode else extra.get("num_engines", 0)  # local_mode: the engine in process
-    if getattr(backend, "uses_ray", False):
-        return engines, float(getattr(backend, "ray_cpus", config.cluster.train_cpus))
+    if uses_ray(backend):
+        return engines, float(backend.ray_cpus)
     return engines, config.cluster.train_cpus if engines > 0 else 0.0
 
 
@@ -260,7 +255,7 @@ def _resume_checkpoint(run_dir: Path, p: Any, base_model: str, stack: list[dict[
 
 def _check_traces(prompts: list[Prompt], tokenizer: Any, key: str, path: str, context: int) -> None:
     """Every SFT conversation (``sft.messages_key``) renders and fits the context."""
-    from miles.loop.step import conversation_sample
+    from miles.loop.sft import conversation_sample
 
     for prompt in prompts:
         try:

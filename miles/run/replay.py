@@ -2,9 +2,9 @@
 
 The run's ``config.yaml`` (with the given overrides) builds the backend, advantage and loss; the backend starts
 from the model the run's RL phase started from (``rollouts/meta.json``) with the run's seed and torch threads,
-and each saved step goes through :func:`miles.loop.step.train_groups`, the loop's own training path, with this
-process's RNG as that step found it (a distillation run's teacher scores them again). Without overrides, every ``train/*`` metric of every step equals the
-original's. Nothing under RUN_DIR changes but the output folder (``RUN_DIR/replay`` by default).
+and each saved step goes through the run's own :class:`~miles.loop.learner.Learner`, with this process's RNG as
+that step found it (a distillation run's teacher scores them again). Without overrides, every ``train/*`` metric
+of every step equals the original's. Nothing under RUN_DIR changes but the output folder (``RUN_DIR/replay`` by default).
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from miles.config.validate import component_node
-from miles.loop.distill import make_teacher
+from miles.config.prepared import prepare
 from miles.errors import ConfigError, DataError
-from miles.loop.step import Components, train_groups
-from miles.run.progress import progress
+from miles.loop.distill import make_teacher
+from miles.loop.learner import Learner
 from miles.loop.saved_rollouts import groups_of, read_meta, read_step, restore_rng, saved_steps, step_path
+from miles.registry import plugin_stack
+from miles.run.progress import progress
+from miles.run.state import start_loggers
+from miles.train.assemble import build_backend, setup_backend
 
 __all__ = ["replay"]
 
@@ -70,28 +73,26 @@ def _out_dir(run_dir: Path, out: str | Path | None, overwrite: bool) -> Path:
     return target
 
 
-def _backend(p: Any, out: Path, closing: ExitStack) -> Any:
-    """The configured backend, as :meth:`miles.run.runner._Run.build_backend` builds it (on Ray when it uses Ray)."""
-    node = component_node(p.config.backend)
-    if not getattr(p.registry.get("backend", node["name"]).obj, "uses_ray", False):
-        return p.registry.build("backend", node, "backend")
-    from miles.cluster import RayCluster
-    from miles.run.preflight import _check_cpus
+def _ray_cluster(p: Any, out: Path, closing: ExitStack) -> Any:
+    """How a backend on Ray gets its cluster here: started on first use, with the CPUs the run would reserve."""
+    cluster: list[Any] = []
 
-    trial = p.registry.build("backend", node, "backend")
-    cluster = RayCluster(p.config.cluster, out, num_cpus=_check_cpus(p.config, trial))
-    closing.callback(cluster.shutdown)
-    backend = p.registry.build("backend", node, "backend")
-    backend.ray_resources = OmegaConf.to_container(p.config.cluster.train_resources)
-    return backend
+    def start() -> Any:
+        if not cluster:
+            from miles.cluster import RayCluster
+            from miles.run.preflight import _check_cpus
+
+            cluster.append(RayCluster(p.config.cluster, out, num_cpus=_check_cpus(p.config, build_backend(p))))
+            closing.callback(cluster[0].shutdown)
+        return cluster[0]
+
+    return start
 
 
 def replay(run_dir: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None,
            steps: int | None = None, overwrite: bool = False, extra_plugins: Sequence[Any] = ()) -> dict[str, Any]:
     """Train on the first ``steps`` (default: all) saved steps of ``run_dir``; metrics go to ``out``'s loggers
     (``metrics.jsonl``), and a summary to ``out/summary.json``, which is returned."""
-    from miles.run.runner import _setup_rl_backend, _training_parts, plugin_stack, prepare, start_loggers
-
     started = time.perf_counter()
     run_dir = Path(run_dir)
     rollouts, saved = _check_source(run_dir)
@@ -119,14 +120,12 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = (), out: str | Path |
         torch.set_num_threads(run_cfg.torch_threads)
     with ExitStack() as closing:
         loggers = start_loggers(p, out_dir, closing)
-        backend = _backend(p, out_dir, closing)
+        backend = build_backend(p, _ray_cluster(p, out_dir, closing))
         closing.callback(backend.shutdown)
-        _setup_rl_backend(p, backend, str(start_model), seed)
-        c = Components(pm=p.pm, train_data=None, rollout_fn=None, rollout_ctx=None, plane=None, reward_fn=None,
-                       collector=None, backend=backend, transport=None, pad_token_id=int(meta["pad_token_id"]),
-                       prompts_per_step=config.rollout.prompts_per_step, n_samples=config.rollout.n_samples,
-                       max_failed_frac=run_cfg.max_failed_frac, **_training_parts(p))
-        c.teacher = make_teacher(config.distill, p, str(start_model), closing)  # scores in train_groups, as in the run
+        setup_backend(p, backend, str(start_model), seed)
+        # the distillation run's teacher scores the saved samples again, as in the run
+        learner = Learner.from_config(p, backend, int(meta["pad_token_id"]),
+                                      teacher=make_teacher(config.distill, p, str(start_model), closing))
         setup_s = time.perf_counter() - started
         with progress(len(saved), "replay", run_cfg.progress) as bar:
             for step in saved:
@@ -134,7 +133,8 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = (), out: str | Path |
                 samples, rng = read_step(step_path(rollouts, step))
                 restore_rng(rng)  # as the original step found it when it began training
                 metrics: dict[str, float] = {}
-                train_groups(c, step, groups_of(samples), metrics, push=lambda: None)
+                learner.learn(step, groups_of(samples), metrics)
+                metrics["time/weight_sync_s"] = 0.0  # nothing to push: no engine
                 metrics["time/step_s"] = time.perf_counter() - step_start
                 p.pm.hook.miles_train_step_end(step=step, metrics=metrics)
                 for logger in loggers:

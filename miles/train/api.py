@@ -33,7 +33,7 @@ The conformance suite is ``miles.testing.BackendConformance``; docs/backends.md 
 written against this module.
 """
 
-from miles.builtin.losses import value_loss
+from miles.train.losses import value_loss
 from miles.errors import ConfigError, RunError
 from miles.models.hf import load_critic, load_model, save_pretrained, save_state_dict
 from miles.train.backend import LossFn, TrainBackend

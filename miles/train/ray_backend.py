@@ -93,7 +93,7 @@ def launch_backend(ray: Any, backend: Any, *, cpus: float, startup_timeout_s: fl
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from miles.cluster import describe_capacity
-    from miles.engine.ray_actors import describe_nodes
+    from miles.cluster import describe_nodes
 
     resources = dict(resources or {})
     bundle = {"CPU": cpus, **resources}

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from miles.builtin.losses import value_loss
+from miles.train.losses import value_loss
 from miles.errors import ConfigError
 from miles.models.hf import exact_logprobs, load_critic, load_model, save_pretrained, save_state_dict
 from miles.train.backend import LossFn
@@ -174,7 +174,7 @@ class Policy:
 
     def _train_critic(self, batch: TrainBatch, micros: list[list[int]], normalizer: float,
                       loss_scale: float) -> dict[str, float]:
-        """One value-model step on :func:`miles.builtin.losses.value_loss`."""
+        """One value-model step on :func:`miles.train.losses.value_loss`."""
         self.critic_optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = defaultdict(float)
         for rows in micros:

@@ -27,8 +27,8 @@ from typing import Any
 import aiohttp
 import torch
 
-from miles.errors import ConfigError
-from miles.engine.router import EngineRequestError
+from miles.errors import ConfigError, EngineRequestError
+from miles.weights.fleet import Endpoint, Engines
 from miles.weights.shm import SHM_DIR, SHM_PATH, WeightFile, host_id
 from miles.weights.wire import broadcast_tensors, open_weight_group, tensor_bytes
 
@@ -42,19 +42,19 @@ def _nbytes(weights: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 
 
-def _copy_to_local(plane: Any, weights: dict[str, torch.Tensor], version: int) -> int:
+def _copy_to_local(plane: Engines, weights: dict[str, torch.Tensor], version: int) -> int:
     """Every transport degrades to a plain copy for engines in this process."""
     for engine in plane.local_engines:
         engine.update_weights(weights, version)
     return _nbytes(weights)
 
 
-def _sglang(engines: list[Any]) -> list[Any]:
+def _sglang(engines: list[Endpoint]) -> list[Any]:
     """The engines among ``engines`` that are SGLang servers (``miles-sglang``): they take no safetensors bytes."""
     return [e for e in engines if e.meta.get("protocol") == "sglang"]
 
 
-def _refuse_sglang(name: str, engines: list[Any]) -> None:
+def _refuse_sglang(name: str, engines: list[Endpoint]) -> None:
     """SGLang's /update_weights_from_tensor takes handles to tensors in the sender's memory (its
     MultiprocessingSerializer: CUDA IPC or shared-memory file descriptors), not bytes, and it has no
     /update_weights_from_shm: these transports cannot reach it."""
@@ -65,7 +65,7 @@ def _refuse_sglang(name: str, engines: list[Any]) -> None:
                           f"the servers can read) or distributed (a broadcast group), or auto (disk for SGLang servers)")
 
 
-def _in_service(plane: Any) -> list[Any]:
+def _in_service(plane: Engines) -> list[Any]:
     """The engines in service, read on the rollout loop, where no re-admission is half done."""
     async def read() -> list[Any]:
         return plane.router.healthy
@@ -78,13 +78,13 @@ class InProcessTransport:
 
     exports_only = True  # a push reads only backend.export_weights(): it may send a snapshot later
 
-    def push(self, backend: Any, plane: Any, version: int) -> int:
+    def push(self, backend: Any, plane: Engines, version: int) -> int:
         if plane.remote:
             raise ConfigError("rollout.weight_sync: 'in_process' needs in-process engines (rollout.engine.num_engines=0); "
                               "use auto, shm, tensor, disk or distributed for engines served over HTTP")
         return _copy_to_local(plane, backend.export_weights(), version)
 
-    async def catch_up(self, plane: Any, engine: Any) -> None:
+    async def catch_up(self, plane: Engines, engine: Endpoint) -> None:
         pass
 
 
@@ -96,10 +96,10 @@ class TensorTransport:
     def __init__(self) -> None:
         self._last: tuple[bytes, int] | None = None
 
-    def push(self, backend: Any, plane: Any, version: int) -> int:
+    def push(self, backend: Any, plane: Engines, version: int) -> int:
         return self._send(backend.export_weights(), plane, version)
 
-    def _send(self, weights: dict[str, torch.Tensor], plane: Any, version: int) -> int:
+    def _send(self, weights: dict[str, torch.Tensor], plane: Engines, version: int) -> int:
         if not plane.remote:
             return _copy_to_local(plane, weights, version)
         _refuse_sglang("tensor", plane.router.engines)
@@ -107,7 +107,7 @@ class TensorTransport:
         plane.post_all("/update_weights_from_tensor", self._last[0], params={"weight_version": str(version)})
         return _nbytes(weights)
 
-    async def catch_up(self, plane: Any, engine: Any) -> None:
+    async def catch_up(self, plane: Engines, engine: Endpoint) -> None:
         # Repeat if a push landed while this engine was catching up (it was not yet in service).
         while (last := self._last) is not None and engine.weight_version != last[1]:
             await plane.router.post(engine, "/update_weights_from_tensor", last[0],
@@ -124,7 +124,7 @@ class DiskTransport:
         self._written: list[Path] = []
         self._last: dict[str, Any] | None = None
 
-    def push(self, backend: Any, plane: Any, version: int) -> int:
+    def push(self, backend: Any, plane: Engines, version: int) -> int:
         path = self.dir / f"v{version:08d}"
         backend.save_pretrained(str(path))
         self._written.append(path)
@@ -140,7 +140,7 @@ class DiskTransport:
             shutil.rmtree(self._written.pop(0), ignore_errors=True)
         return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
-    async def catch_up(self, plane: Any, engine: Any) -> None:
+    async def catch_up(self, plane: Engines, engine: Endpoint) -> None:
         while (last := self._last) is not None and engine.weight_version != int(last["weight_version"]):
             await plane.router.post(engine, "/update_weights_from_disk", last)
 
@@ -165,7 +165,7 @@ class DistributedTransport:
         self._members: tuple[tuple[str, int], ...] = ()
         self._last: tuple[dict[str, torch.Tensor], int] | None = None
 
-    def _ensure_group(self, plane: Any, engines: list[Any]) -> None:
+    def _ensure_group(self, plane: Engines, engines: list[Endpoint]) -> None:
         members = tuple((e.url, e.incarnation) for e in engines)  # a restarted engine has left the old group
         if self._group is not None and members == self._members:
             return
@@ -186,12 +186,12 @@ class DistributedTransport:
                 "world_size": world_size, "backend": "gloo", "group_name": "miles"}, self.timeout_s)
                 for offset, e in zip(offsets, engines)))
 
-        joined = asyncio.run_coroutine_threadsafe(join_all(), plane.aio.loop)
+        joined = plane.submit(join_all())
         group = open_weight_group(self.master_address, port, 0, world_size, timeout_s=self.timeout_s)
         joined.result(self.timeout_s)
         self._group, self._members = group, members
 
-    def push(self, backend: Any, plane: Any, version: int) -> int:
+    def push(self, backend: Any, plane: Engines, version: int) -> int:
         weights = backend.export_weights()
         if not plane.remote:
             return _copy_to_local(plane, weights, version)
@@ -203,9 +203,8 @@ class DistributedTransport:
             tensors = [t.detach().contiguous() for t in weights.values()]
             body = {"names": list(weights), "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
                     "shapes": [list(t.shape) for t in tensors], "group_name": "miles", "weight_version": str(version)}
-            posted = asyncio.run_coroutine_threadsafe(
-                plane.router.post_all("/update_weights_from_distributed", body, self.timeout_s, engines=engines),
-                plane.aio.loop)
+            posted = plane.submit(
+                plane.router.post_all("/update_weights_from_distributed", body, self.timeout_s, engines=engines))
             broadcast_tensors(self._group, tensors)
             posted.result(self.timeout_s)
         except Exception:
@@ -218,7 +217,7 @@ class DistributedTransport:
                            params={"weight_version": str(version)})
         return _nbytes(weights)
 
-    async def catch_up(self, plane: Any, engine: Any) -> None:
+    async def catch_up(self, plane: Engines, engine: Endpoint) -> None:
         if _sglang([engine]):
             # No tensors for SGLang: it gets the last weights through a group of its own with this process.
             while (last := self._last) is not None and engine.weight_version != last[1]:
@@ -228,7 +227,7 @@ class DistributedTransport:
             await plane.router.post(engine, "/update_weights_from_tensor", tensor_bytes(last[0]),
                                     params={"weight_version": str(last[1])})
 
-    def _broadcast_to(self, plane: Any, engine: Any, weights: dict[str, torch.Tensor], version: int) -> None:
+    def _broadcast_to(self, plane: Engines, engine: Endpoint, weights: dict[str, torch.Tensor], version: int) -> None:
         """One engine's catch-up by broadcast, in a group of its own (the shared group is formed again at the
         next push, since the engines in service changed)."""
         self._group, self._members = None, ()
@@ -237,8 +236,7 @@ class DistributedTransport:
             tensors = [t.detach().contiguous() for t in weights.values()]
             body = {"names": list(weights), "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
                     "shapes": [list(t.shape) for t in tensors], "group_name": "miles", "weight_version": str(version)}
-            posted = asyncio.run_coroutine_threadsafe(plane.router.post(engine, "/update_weights_from_distributed", body,
-                                                                        self.timeout_s), plane.aio.loop)
+            posted = plane.submit(plane.router.post(engine, "/update_weights_from_distributed", body, self.timeout_s))
             broadcast_tensors(self._group, tensors)
             posted.result(self.timeout_s)
         finally:
@@ -249,7 +247,7 @@ class SharedMemoryUnavailable(ConfigError):
     """``shm`` cannot serve these ``engines`` (they cannot open the file), or with none named, cannot serve at
     all (/dev/shm missing or too small for the weights, a dtype it does not carry)."""
 
-    def __init__(self, message: str, engines: list[Any] = ()) -> None:
+    def __init__(self, message: str, engines: list[Endpoint] = ()) -> None:
         super().__init__(message)
         self.engines = list(engines)
 
@@ -260,7 +258,7 @@ def _unreadable(refusal: EngineRequestError) -> bool:
     return str(refusal).startswith("path:")
 
 
-async def _post_json(plane: Any, engine: Any, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+async def _post_json(plane: Engines, engine: Endpoint, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     """(HTTP status, answer) of one POST, whatever the status: a catch-up tells a 409 from a failure."""
     timeout = aiohttp.ClientTimeout(total=plane.router.request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -284,10 +282,10 @@ class SharedMemoryTransport:
         self._written = 0  # the sequence of the last complete write
         self._at_exit = False
 
-    def push(self, backend: Any, plane: Any, version: int) -> int:
+    def push(self, backend: Any, plane: Engines, version: int) -> int:
         return self._send(backend.export_weights(), plane, version)
 
-    def _send(self, weights: dict[str, torch.Tensor], plane: Any, version: int) -> int:
+    def _send(self, weights: dict[str, torch.Tensor], plane: Engines, version: int) -> int:
         if not plane.remote:
             return _copy_to_local(plane, weights, version)
         _refuse_sglang("shm", plane.router.engines)
@@ -325,14 +323,14 @@ class SharedMemoryTransport:
             raise
         self._written = descriptor["sequence"]
 
-    async def _post_each(self, plane: Any, descriptor: dict[str, Any]) -> list[tuple[Any, EngineRequestError]]:
+    async def _post_each(self, plane: Engines, descriptor: dict[str, Any]) -> list[tuple[Any, EngineRequestError]]:
         """Post to every engine in service (read here, on the rollout loop) and wait for every answer, so
         that no engine still reads when the next push rewrites the file. An engine that fails is
         quarantined (``Router.post_all``); returns the refusals, by engine."""
         if (error := plane.router.no_engine_left()) is not None:
             raise error
 
-        async def one(engine: Any) -> tuple[Any, EngineRequestError] | None:
+        async def one(engine: Endpoint) -> tuple[Any, EngineRequestError] | None:
             try:
                 await plane.router.post_all(SHM_PATH, descriptor, engines=[engine])
             except EngineRequestError as exc:
@@ -347,7 +345,7 @@ class SharedMemoryTransport:
         while self._last is descriptor and self._written < descriptor["sequence"]:
             await asyncio.sleep(0.005)
 
-    async def catch_up(self, plane: Any, engine: Any) -> None:
+    async def catch_up(self, plane: Engines, engine: Endpoint) -> None:
         while (last := self._last) is not None and engine.weight_version != last["weight_version"]:
             complete = self._written >= last["sequence"]
             # snapshot: the engine copies the tensors out before it checks the header again and applies them
@@ -363,7 +361,7 @@ class SharedMemoryTransport:
             else:  # a 409 with no write under way is the engine's fault
                 raise RuntimeError(f"{engine.url}{SHM_PATH} answered HTTP {status}: {answer}")
 
-    async def catch_up_with_tensors(self, plane: Any, engine: Any) -> None:
+    async def catch_up_with_tensors(self, plane: Engines, engine: Endpoint) -> None:
         """Catch up an engine that cannot open the file: its tensors, copied out of the file (again if a push
         rewrote it meanwhile), go as safetensors bytes to ``/update_weights_from_tensor``."""
         loop = asyncio.get_running_loop()
@@ -387,7 +385,7 @@ class SharedMemoryTransport:
             self._at_exit = False
 
 
-async def _server_info(plane: Any, engine: Any) -> dict[str, Any] | None:
+async def _server_info(plane: Engines, engine: Endpoint) -> dict[str, Any] | None:
     """The engine's ``/server_info`` ({} if it has none to give), or None if it could not be reached."""
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
@@ -421,7 +419,7 @@ class AutoTransport:
         self._shm_works = True
         self._last: Any = None  # the transport of the last push
 
-    def push(self, backend: Any, plane: Any, version: int) -> int:
+    def push(self, backend: Any, plane: Engines, version: int) -> int:
         if not plane.remote:
             return self._local.push(backend, plane, version)
         if self._disk is not None or _sglang(plane.router.engines):  # SGLang takes no tensor bytes, no shm file
@@ -441,12 +439,12 @@ class AutoTransport:
         self._last = self._tensor
         return self._tensor._send(weights, plane, version)
 
-    async def _all_here(self, plane: Any) -> bool:
+    async def _all_here(self, plane: Engines) -> bool:
         """Whether every engine in service runs on this machine (read on the rollout loop)."""
         engines = plane.router.healthy
         return bool(engines) and all(await asyncio.gather(*(self._is_here(plane, e) for e in engines)))
 
-    async def _is_here(self, plane: Any, engine: Any) -> bool:
+    async def _is_here(self, plane: Engines, engine: Endpoint) -> bool:
         key = (engine.url, engine.incarnation)
         if key not in self._here:
             info = await _server_info(plane, engine)
@@ -456,7 +454,7 @@ class AutoTransport:
             self._here[key] = mine is not None and info.get("host_id") == mine
         return self._here[key]
 
-    async def catch_up(self, plane: Any, engine: Any) -> None:
+    async def catch_up(self, plane: Engines, engine: Endpoint) -> None:
         # Again if a push by the other transport began meanwhile: it may not reach this engine otherwise.
         while True:
             last = self._last

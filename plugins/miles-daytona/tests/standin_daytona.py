@@ -37,7 +37,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
-from miles.sandboxes.local import LocalSandbox
+from miles.agentic.sandboxes.local import LocalSandbox
 
 API_KEY = "standin-key"
 ROOT = "/daytona"  # each sandbox's working folder (a top-level folder this machine does not have)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from miles.agentic import PermanentError
-from miles.sandboxes.local import bwrap_problem
+from miles.agentic.sandboxes.local import bwrap_problem
 from miles.testing import MILES_WITH_CTRL_C, SandboxConformance
 from miles_daytona import DaytonaSandbox
 from miles_daytona import client as clients

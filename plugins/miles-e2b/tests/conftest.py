@@ -7,7 +7,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # the stand-in module, for the te
 
 import pytest  # noqa: E402
 
-from miles.sandboxes.local import bwrap_problem  # noqa: E402
+from miles.agentic.sandboxes.local import bwrap_problem  # noqa: E402
 from standin_e2b import E2BStandIn  # noqa: E402
 
 from miles.testing import chat_model_dir, tiny_model_dir  # noqa: E402,F401  (the fixtures)

@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from miles.sandboxes.local import LocalSandbox
+from miles.agentic.sandboxes.local import LocalSandbox
 
 MOUNT = "/sandbox"  # the stand-in sandbox's filesystem; workdirs of tests go below it
 API_KEY = "e2b_standin_key"

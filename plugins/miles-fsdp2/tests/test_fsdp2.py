@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from miles.builtin.losses import ppo_clip
+from miles.train.losses import ppo_clip
 from miles.errors import ConfigError, RunError
 from miles.testing import BackendConformance, make_train_batch
 from miles.train.torch_backend import TorchBackend

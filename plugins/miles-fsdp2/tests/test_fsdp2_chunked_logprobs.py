@@ -3,7 +3,7 @@ only inside the root module's forward, which is where the chunked path computes.
 
 import pytest
 
-from miles.builtin.losses import ppo_clip
+from miles.train.losses import ppo_clip
 from miles.errors import ConfigError
 from miles.testing import make_train_batch
 from miles.train.regularizers import regularized

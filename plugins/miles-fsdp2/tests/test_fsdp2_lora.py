@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from miles.builtin.losses import ppo_clip
+from miles.train.losses import ppo_clip
 from miles.testing import make_train_batch
 from miles.train.torch_backend import TorchBackend
 from miles.weights.lora import merge_adapters

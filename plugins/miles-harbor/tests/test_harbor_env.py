@@ -15,7 +15,7 @@ import yaml
 
 from harbor_testing import FULL, NAMES, TASKS, TOML, bash_call, solution, write_task
 from miles import Action, EnvContext, Sample, StepResult, ToolCall
-from miles.sandboxes.local import LocalSandbox
+from miles.agentic.sandboxes.local import LocalSandbox
 from miles.testing import MILES_WITH_CTRL_C, EnvConformance
 from miles_harbor.data import harbor_tasks
 from miles_harbor.env import HarborEnv

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from miles.builtin.losses import ppo_clip
+from miles.train.losses import ppo_clip
 from miles.errors import ConfigError
 from miles.testing import BackendConformance, make_train_batch
 from miles.train.torch_backend import TorchBackend

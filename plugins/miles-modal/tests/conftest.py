@@ -16,7 +16,7 @@ from miles.testing import chat_model_dir, tiny_model_dir  # noqa: E402,F401  (th
 def standin(tmp_path, monkeypatch):
     """The STAND-IN for Modal's service (tests/standin_modal.py) in place of the SDK's calls, with made-up
     credentials; at the end no sandbox may be open, here or there. Its sandboxes run in bubblewrap."""
-    from miles.sandboxes.local import bwrap_problem
+    from miles.agentic.sandboxes.local import bwrap_problem
     from miles_modal import ModalSandbox
 
     if bwrap_problem() is not None:

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import modal
 import modal.exception
 
-from miles.sandboxes.local import LocalSandbox
+from miles.agentic.sandboxes.local import LocalSandbox
 
 STANDIN_ENV = "MILES_MODAL_STANDIN"  # the stand-in's folder, for a miles process started through this module
 CHUNK = 64 * 1024  # output comes back in chunks of this size, as a stream would

@@ -6,7 +6,6 @@ death and restart on Ray), every weight transport and memory release/resume run 
 checked by ``scripts/gpu_check.sh``.
 """
 
-import asyncio
 import json
 import os
 import signal

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from miles.types import Group
 
-__all__ = ["hookspec", "Register", "takes_option", "ValueEstimator", "ClosingRolloutFn", "BackgroundEngine",
+__all__ = ["hookspec", "Register", "takes_option", "ChecksArgs", "NeedsValues", "LossDefaults", "NeedsRefLogprobs", "ClosingRolloutFn", "BackgroundEngine",
            "LoraEngine", "ProtocolLauncher", "MemorySaverLauncher",
            "RoutedExpertsLauncher", "DescribedSandbox", "CheckedSandbox", "HostedSandbox", "RayBackend",
            "ClosingTransport", "DiskTransportSwitch", "SnapshotTransport", "RewindableLogger"]
@@ -36,6 +36,14 @@ class Register(Protocol):
 # Optional capabilities: a component may offer more than its hook requires. Each is a Protocol below the hook
 # of its kind, and Miles asks for it with ``isinstance(component, Protocol)`` (its class, before it is built),
 # nowhere else; docs/hooks.md lists them.
+
+
+@runtime_checkable
+class ChecksArgs(Protocol):
+    """A component of any kind with ``check_args(args)`` is asked at validation, with its arguments over its
+    defaults, whether they work alone and together; what it raises refuses the config, naming the node."""
+
+    def check_args(self, args: dict[str, Any]) -> None: ...
 
 
 def takes_option(factory: Any, name: str) -> bool:
@@ -75,11 +83,20 @@ def miles_register_advantages(register: Register) -> None:
 
 
 @runtime_checkable
-class ValueEstimator(Protocol):
-    """An estimator with ``needs_values = True`` gets ``batch.values``, the value model's (which the backend then
-    loads beside the policy, from its checkpoint with a new scalar head, and trains): ``ppo``."""
+class NeedsValues(Protocol):
+    """An estimator (or a loss) with ``needs_values = True`` uses ``batch.values``, the value model's (which the
+    backend then loads beside the policy, from its checkpoint with a new scalar head, and trains): ``ppo``. A loss
+    that needs them is refused with an estimator that does not train a value model."""
 
     needs_values: bool
+
+
+@runtime_checkable
+class LossDefaults(Protocol):
+    """An estimator with ``loss_defaults`` (a dict) fills in those arguments of the loss that the config leaves
+    unset and the loss accepts (``dr_grpo``: ``agg: constant``; ``gspo``: sequence-level ratios)."""
+
+    loss_defaults: dict[str, Any]
 
 
 @hookspec
@@ -90,6 +107,14 @@ def miles_register_losses(register: Register) -> None:
     already divided by ``inputs.token_normalizer`` (so micro-batch losses add up to the batch loss)
     and ``metrics`` maps names to floats summed the same way.
     """
+
+
+@runtime_checkable
+class NeedsRefLogprobs(Protocol):
+    """A loss with ``needs_ref_logprobs = True`` uses the reference model's log-probs (``inputs.ref_logprobs``),
+    which load only with ``regularization.kl_coef > 0``."""
+
+    needs_ref_logprobs: bool
 
 
 @hookspec

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 import inspect
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from miles import import_object
 from miles.errors import ConfigError, PluginError
 from miles.plugins import PluginInfo, PluginManager
 
@@ -236,15 +236,11 @@ class Registry:
 
 
 def _import_path(path: str, kind: str, where: str | None) -> Any:
-    module_name, _, attr = path.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except Exception as exc:
-        raise ConfigError(
-            f"{where or kind}: cannot import {kind} {path!r}: {type(exc).__name__}: {exc}"
-        ) from exc
+        obj = import_object(path)
+    except ValueError as exc:
+        cause = exc.__cause__ or exc
+        raise ConfigError(f"{where or kind}: cannot import {kind} {path!r}: {type(cause).__name__}: {cause}") from cause
     if not callable(obj) and not KINDS[kind].value:
         raise ConfigError(f"{where or kind}: {path!r} is a {type(obj).__name__}, expected a function or class")
     return obj

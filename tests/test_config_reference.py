@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from miles.config import load_config, validate_config
+from miles.config.keys import keys
 from miles.config.reference import render, update
 from miles.config.schema import EvalDatasetConfig, schema_keys
-from miles.config.keys import keys
 from miles.errors import ConfigError
 from miles.testing import make_registry
 
@@ -86,7 +86,8 @@ def test_config_modules_import_no_cycle():
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("miles.config."):
                 names.add(node.module.removeprefix("miles.config."))
             elif isinstance(node, ast.Import):
-                names |= {a.name.removeprefix("miles.config.") for a in node.names if a.name.startswith("miles.config.")}
+                names |= {a.name.removeprefix("miles.config.") for a in node.names
+                          if a.name.startswith("miles.config.")}
         graph[path.stem] = names
 
     def visit(name, stack):

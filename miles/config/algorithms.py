@@ -8,7 +8,8 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
-from miles.config.validate import component_node
+from miles.config.schema import component_node
+from miles.hookspecs import LossDefaults, NeedsRefLogprobs, NeedsValues
 from miles.registry import Registry
 
 __all__ = ["apply_estimator_defaults", "conflicts"]
@@ -32,11 +33,15 @@ def apply_estimator_defaults(config: DictConfig, registry: Registry) -> None:
         return
     accepted = set(inspect.signature(loss).parameters)
     with open_dict(config):
-        for key, value in getattr(estimator, "loss_defaults", {}).items():
+        for key, value in (estimator.loss_defaults if isinstance(estimator, LossDefaults) else {}).items():
             if key in accepted and key not in config.loss:
                 config.loss[key] = value
         if config.loss.get("agg") == "constant" and "norm_tokens" in accepted and config.loss.get("norm_tokens") is None:
             config.loss["norm_tokens"] = int(config.rollout.sampling.max_new_tokens)
+
+
+def _needs_values(component: Any) -> bool:
+    return isinstance(component, NeedsValues) and bool(component.needs_values)
 
 
 def conflicts(config: DictConfig, registry: Registry) -> list[str]:
@@ -55,11 +60,10 @@ def conflicts(config: DictConfig, registry: Registry) -> list[str]:
         problems.append(f"loss.tis={loss['tis']} needs backend.old_logprobs=recompute: truncated importance sampling "
                         f"weighs the trainer's old log-probs against the engine's, and with old_logprobs=rollout "
                         f"they are the same")
-    if getattr(loss_fn, "needs_values", False) and not getattr(_obj(registry, "advantage", config.advantage),
-                                                               "needs_values", False):
+    if _needs_values(loss_fn) and not _needs_values(_obj(registry, "advantage", config.advantage)):
         problems.append(f"loss.name={loss.get('name')} needs a value model, which advantage.name="
                         f"{advantage.get('name')} does not train: use an estimator with one (advantage.name=ppo)")
-    if getattr(loss_fn, "needs_ref_logprobs", False) and config.regularization.kl_coef <= 0:
+    if isinstance(loss_fn, NeedsRefLogprobs) and loss_fn.needs_ref_logprobs and config.regularization.kl_coef <= 0:
         problems.append(f"loss.name={loss.get('name')} needs a reference model, which loads only with "
                         f"regularization.kl_coef > 0")
     for i, node in enumerate(map(component_node, config.selection)):

@@ -1,18 +1,22 @@
 """Checking a loaded config before anything runs: every component node against the signature of
-what it names, and the values that must lie in a range. All problems are reported at once."""
+what it names, and every value against what its key accepts (declared next to the field in
+:mod:`miles.config.schema`). All problems are reported at once."""
 
 from __future__ import annotations
 
 import inspect
 import math
 import re
-from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from miles.config.schema import COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES, ORCHESTRATION_KEYS, SCHEDULES
+from miles.config.algorithms import conflicts
+from miles.config.keys import keys
+from miles.config.schema import (COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES, EvalDatasetConfig, component_node,
+                                 schema_keys, split_node)
 from miles.errors import ConfigError
+from miles.hookspecs import ChecksArgs, NeedsValues, RayBackend
 from miles.registry import KINDS, Registry, nested_nodes
 
 __all__ = ["validate_config", "component_node", "split_node"]
@@ -20,42 +24,11 @@ __all__ = ["validate_config", "component_node", "split_node"]
 # Ray's own resources, which have keys of their own (cpus_per_engine, train_cpus) or are not for placement.
 _BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
-# (key, predicate, what is expected)
-_RANGES: list[tuple[str, Any, str]] = [
-    ("run.steps", lambda v: v >= 0, "a whole number >= 0"),
-    ("run.eval_size", lambda v: v >= 0, "a whole number >= 0"),
-    ("run.eval_every", lambda v: v >= 0, "a whole number >= 0"),
-    ("run.max_failed_frac", lambda v: 0 <= v <= 1, "a fraction between 0 and 1"),
-    ("sft.steps", lambda v: v >= 0, "a whole number >= 0"),
-    ("sft.batch_size", lambda v: v >= 1, "a whole number >= 1"),
-    ("sft.lr", lambda v: v > 0, "a positive number"),
-    ("rollout.prompts_per_step", lambda v: v >= 1, "a whole number >= 1"),
-    ("rollout.n_samples", lambda v: v >= 1, "a whole number >= 1"),
-    ("rollout.sampling.max_new_tokens", lambda v: v >= 1, "a whole number >= 1"),
-    ("rollout.sampling.temperature", lambda v: v >= 0, "a number >= 0 (0 is greedy)"),
-    ("rollout.sampling.top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    ("rollout.sampling.top_k", lambda v: v == -1 or v >= 1, "-1 (off) or a whole number >= 1"),
-    ("cluster.object_store_mb", lambda v: v >= 75, "at least 75 (Ray's minimum)"),
-    ("cluster.cpus_per_engine", lambda v: v > 0, "a positive number"),
-    ("cluster.train_cpus", lambda v: v > 0, "a positive number"),
-    ("cluster.engine_startup_timeout_s", lambda v: v > 0, "a positive number of seconds"),
-    ("cluster.router.max_retries", lambda v: v >= 0, "a whole number >= 0"),
-    ("cluster.router.max_failures", lambda v: v >= 1, "a whole number >= 1"),
-    ("regularization.kl_coef", lambda v: v >= 0, "a number >= 0"),
-    ("regularization.entropy_coef", lambda v: v >= 0, "a number >= 0"),
-    ("regularization.kl_estimator", lambda v: v in ("k1", "k2", "k3"), "k1, k2 or k3"),
-    ("regularization.kl_in", lambda v: v in ("loss", "reward"), "loss or reward"),
-    ("model.tokenizer.kind", lambda v: v in ("char", "qwen", "deepseek"), "char, qwen or deepseek"),
-    ("model.tokenizer.max_ranks", lambda v: v == 0 or v >= 256, "0 (the whole vocabulary) or at least 256"),
-    ("data.chat_template", lambda v: v in ("auto", "true", "false", True, False), "auto, true or false"),
-    ("data.overlong_prompts", lambda v: v in ("error", "drop"), "error or drop"),
-    ("rollout.tito.on_mismatch", lambda v: v in ("fail", "split", "retokenize"), "fail, split or retokenize"),
-    ("run.schedule", lambda v: v in SCHEDULES, "sync, one_step_off or async"),
-    ("rollout.async.max_staleness", lambda v: v >= 0, "a whole number >= 0"),
-    ("rollout.async.max_concurrent_samples", lambda v: v >= 0, "a whole number >= 0 (0: from max_staleness)"),
-    ("rollout.async.stale", lambda v: v in ("drop", "retry"), "drop or retry"),
-    ("rollout.async.update", lambda v: v in (None, "pause", "abort", "in_place"), "pause, abort or in_place"),
-]
+def _range_problems(config: DictConfig) -> list[str]:
+    """Every value outside what its key accepts, in the schema's order (a list of sections is checked by its own)."""
+    found = (entry.problem(OmegaConf.select(config, entry.path)) for entry in schema_keys()
+             if entry.accepts is not None and "[i]" not in entry.path)
+    return [problem for problem in found if problem]
 
 
 def _resource_problems(cluster: Any) -> list[str]:
@@ -71,24 +44,21 @@ def _resource_problems(cluster: Any) -> list[str]:
 
 
 def _distill_problems(distill: Any) -> list[str]:
+    """Teacher and server are exclusive, and a distillation must learn something (coefficients: by their range)."""
     problems = []
     if distill.teacher and distill.teacher_url:
         problems.append("distill: set distill.teacher (an HF directory served in process) or distill.teacher_url "
                         "(a server already serving the teacher), not both")
-    for key in ("kl_coef", "reward_coef"):
-        if not distill[key] >= 0:
-            problems.append(f"distill.{key}: expected a number >= 0, got {distill[key]!r}")
     if (distill.teacher or distill.teacher_url) and not problems and not (distill.kl_coef or distill.reward_coef):
         problems.append("distill: kl_coef and reward_coef are both 0, so nothing would be learned; set kl_coef > 0")
     return problems
 
 
 def _eval_problems(eval_cfg: Any) -> list[str]:
-    """``eval``: each dataset's name unique and usable in a metric name, n >= 1, every k in 1..n, sampling in range."""
-    problems = [] if eval_cfg.every >= 0 else [f"eval.every: expected a whole number >= 0, got {eval_cfg.every!r}"]
+    """``eval.datasets``: each name unique and usable in a metric name, every k in 1..n, each key in its range."""
+    problems: list[str] = []
     seen: set[str] = set()
-    sampling_ranges = {key.removeprefix("rollout.sampling."): (ok, expected) for key, ok, expected in _RANGES
-                       if key.startswith("rollout.sampling.")}
+    accepts = {entry.path: entry for entry in keys(EvalDatasetConfig) if entry.accepts is not None}
     for i, ds in enumerate(eval_cfg.datasets):
         where = f"eval.datasets[{i}]"
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", ds.name or ""):
@@ -97,36 +67,15 @@ def _eval_problems(eval_cfg: Any) -> list[str]:
         elif ds.name in seen:
             problems.append(f"{where}.name: {ds.name!r} names two datasets; each needs a name of its own")
         seen.add(ds.name)
-        if ds.n < 1:
-            problems.append(f"{where}.n: expected a whole number >= 1 (samples per prompt), got {ds.n!r}")
+        if n_problem := accepts["n"].problem(ds.n, f"{where}.n"):
+            problems.append(n_problem)
         elif not ds.k or any(not 1 <= k <= ds.n for k in ds.k):
             problems.append(f"{where}.k: expected a list of whole numbers from 1 to n={ds.n} (pass@k needs k <= n "
                             f"samples per prompt), got {list(ds.k)!r}")
-        if ds.max_prompts < 0:
-            problems.append(f"{where}.max_prompts: expected a whole number >= 0 (0: all), got {ds.max_prompts!r}")
-        for key, (ok, expected) in sampling_ranges.items():
-            value = ds.sampling[key]
-            if value is not None and not ok(value):
-                problems.append(f"{where}.sampling.{key}: expected {expected}, got {value!r}")
+        for path, entry in accepts.items():
+            if path != "n" and (problem := entry.problem(OmegaConf.select(ds, path), f"{where}.{path}")):
+                problems.append(problem)
     return problems
-
-
-def component_node(node: Any) -> dict[str, Any]:
-    """A component node as a plain dict (a bare string is shorthand for ``{name: string}``)."""
-    if isinstance(node, str):
-        return {"name": node}
-    if isinstance(node, DictConfig):
-        return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
-    if isinstance(node, Mapping):
-        return dict(node)
-    raise TypeError(type(node).__name__)
-
-
-def split_node(node: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(component arguments, orchestration keys with their defaults) of a node."""
-    plain = component_node(node)
-    extra = {k: plain.pop(k, default) for k, default in ORCHESTRATION_KEYS.get(where, {}).items()}
-    return plain, extra
 
 
 def _argument_problems(registry: Registry, kind: str, args: dict[str, Any], where: str) -> list[str]:
@@ -138,7 +87,7 @@ def _argument_problems(registry: Registry, kind: str, args: dict[str, Any], wher
     try:
         if kind == "data_selector" and inspect.isclass(obj):
             obj(**given)
-        elif hasattr(obj, "check_args"):
+        elif isinstance(obj, ChecksArgs):
             params = list(inspect.signature(obj).parameters.values())[KINDS[kind].call_params or 0:] \
                 if KINDS[kind].per_use else inspect.signature(obj).parameters.values()
             obj.check_args({**{p.name: p.default for p in params if p.default is not p.empty}, **given})
@@ -210,7 +159,8 @@ def _agentic_problems(config: DictConfig, registry: Registry) -> list[str]:
     if config.rollout.tito.on_mismatch == "split":
         advantage = component_node(config.advantage)["name"]
         try:
-            needs_values = getattr(registry.get("advantage", advantage).obj, "needs_values", False)
+            estimator = registry.get("advantage", advantage).obj
+            needs_values = isinstance(estimator, NeedsValues) and estimator.needs_values
         except ConfigError:
             needs_values = False  # reported with the advantage node
         if needs_values:
@@ -298,7 +248,8 @@ def _debug_problems(config: DictConfig, registry: Registry) -> list[str]:
         problems.append("rollout.engine.release_memory_during_train: cluster.local_mode runs the engine in this "
                         "process, where it keeps its memory; set it to false")
     backend = component_node(config.backend)
-    if getattr(registry.get("backend", backend["name"]).obj, "uses_ray", False):
+    backend_cls = registry.get("backend", backend["name"]).obj
+    if isinstance(backend_cls, RayBackend) and backend_cls.uses_ray:
         problems.append(f"backend: {backend['name']!r} trains in Ray worker processes (backend.world_size="
                         f"{backend.get('world_size', 1)}) and cannot run in this process (cluster.local_mode); use "
                         f"backend.name=torch")
@@ -327,16 +278,11 @@ def validate_config(config: DictConfig, registry: Registry) -> None:
             continue
         for i, node in enumerate(nodes):
             problems += _check_node(registry, kind, node, f"{key}[{i}]")
-    for key, ok, expected in _RANGES:
-        value = OmegaConf.select(config, key)
-        if not ok(value):
-            problems.append(f"{key}: expected {expected}, got {value!r}")
+    problems += _range_problems(config)
     problems += _resource_problems(config.cluster) + _eval_problems(config.eval) + _distill_problems(config.distill)
     if config.data.train_path is None and config.data.generator is None:
         problems.append("data: set data.train_path (a JSONL or Parquet file) or data.generator (synthetic data)")
     if not problems:  # combinations are judged once each part is well-formed
-        from miles.config.algorithms import conflicts
-
         problems += conflicts(config, registry) + _agentic_problems(config, registry) + _schedule_problems(config)
         problems += _debug_problems(config, registry)
     if problems:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from miles.hookspecs import ValueEstimator
+from miles.hookspecs import NeedsValues
 from miles.loop.distill import Teacher, distill_advantages
 from miles.train.regularizers import kl_estimate, regularized
 from miles.types import Group, Sample, TrainBatch
@@ -72,7 +72,7 @@ class Learner:
                     * batch.loss_mask
                 batch.kl_penalty = self.kl_reward_coef * kl
                 metrics["rollout/kl_penalty_mean"] = float(batch.kl_penalty.sum(dim=1).mean())
-            if isinstance(self.advantage_fn, ValueEstimator) and self.advantage_fn.needs_values:
+            if isinstance(self.advantage_fn, NeedsValues) and self.advantage_fn.needs_values:
                 batch.values = self.backend.compute_values(batch)
             teacher_logprobs = self.teacher.logprobs(batch) if self.teacher is not None else None
             advantage_start = time.perf_counter()

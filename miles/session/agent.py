@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from miles import import_object
 from miles.agentic.tool_calls import HermesParser
 from miles.rollout.context import RolloutContext
 from miles.session.server import Session, SessionServer
@@ -125,15 +125,12 @@ def _reward_problem(path: str, reward: Any) -> str | None:
 
 def _load(path: str, agent_args: dict[str, Any]) -> Callable[..., Any]:
     """The agent function at ``path``, checked to be callable as ``fn(base_url, sample, **agent_args)``."""
-    module_name, _, attr = path.partition(":") if isinstance(path, str) else ("", "", "")
-    if not module_name or not attr:
+    if not isinstance(path, str) or ":" not in path:
         raise ValueError(f"agent: expected an import path 'package.module:function', got {path!r}")
     try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except Exception as exc:
-        raise ValueError(f"agent: cannot import {path!r}: {type(exc).__name__}: {exc}") from exc
+        obj = import_object(path)
+    except ValueError as exc:
+        raise ValueError(f"agent: {exc}") from exc.__cause__
     if not inspect.iscoroutinefunction(obj):
         raise ValueError(f"agent: {path!r} must be an async function (async def run(base_url, sample, ...)), "
                          f"got {type(obj).__name__}")

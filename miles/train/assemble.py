@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from miles.config.validate import component_node
-from miles.hookspecs import RayBackend, ValueEstimator
+from miles.hookspecs import RayBackend, NeedsValues
 
 __all__ = ["build_backend", "uses_ray", "setup_backend", "rl_backend"]
 
@@ -37,7 +37,7 @@ def setup_backend(p: Any, backend: Any, model_path: str, seed: int) -> None:
     """Load the policy (and the reference and value models the config needs) from ``model_path``."""
     reg = p.config.regularization
     estimator = p.registry.get("advantage", component_node(p.config.advantage)["name"]).obj
-    needs_values = isinstance(estimator, ValueEstimator) and estimator.needs_values
+    needs_values = isinstance(estimator, NeedsValues) and estimator.needs_values
     backend.setup(model_path, seed=seed, total_steps=p.config.run.steps,
                   **({"ref_model_path": model_path} if reg.kl_coef > 0 else {}),
                   # A value model starts from the policy's checkpoint with a new scalar head.

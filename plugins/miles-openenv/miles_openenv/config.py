@@ -7,12 +7,13 @@ Importing this module does not import OpenEnv (its import takes seconds); the ch
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import typing
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
+
+import miles
 
 __all__ = ["Settings", "action_class_of", "action_fields", "check", "check_action_schema", "environment_class",
            "import_object", "parse"]
@@ -125,15 +126,12 @@ def check(args: dict[str, Any]) -> Settings:
 
 def import_object(path: str, key: str) -> Any:
     """The object at ``package.module:attr``; a ValueError naming ``key`` when it does not import."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
+    if not isinstance(path, str) or ":" not in path:
         raise ValueError(f"{key}: expected an import path 'package.module:Name', got {path!r}")
     try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except Exception as exc:
-        raise ValueError(f"{key}: cannot import {path!r}: {type(exc).__name__}: {exc}") from exc
+        obj = miles.import_object(path)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from exc.__cause__
     if key == "action_class":
         from openenv.core.env_server.types import Action
 

@@ -15,7 +15,7 @@ from miles.errors import RunError
 __all__ = ["RayCluster", "describe_capacity", "describe_nodes", "dead_node"]
 
 _LOCAL_AMOUNT = 10_000.0  # of each custom resource on a local instance: more than any run reserves
-_MAX_TEMP_DIR = 60  # Ray puts unix sockets under the temp dir; their paths must stay short
+_MAX_TEMP_DIR = 40  # Ray puts unix sockets 62+ characters deep under it (session_<time>_<pid>/sockets/plasma_store): 107 at most
 
 
 class RayCluster:

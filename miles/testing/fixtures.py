@@ -1,5 +1,5 @@
 """Helpers and pytest fixtures: the tiny models and tokenizers, registries, samples and batches, engines served
-for a test, and the ``chat_model_dir``, ``tiny_model_dir`` and ``miles_registry`` fixtures."""
+for a test, and the ``chat_model_dir``, ``tiny_model_dir``, ``miles_registry`` and ``ray_cluster`` fixtures."""
 
 from __future__ import annotations
 
@@ -131,6 +131,18 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny HF-format model directory, built once per test session."""
     return build_tiny_model(tmp_path_factory.mktemp("miles-tiny-model") / "model")
+
+
+@fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real local Ray instance with two CPUs (as on a 2-core CI machine) for one test module, shut down after it:
+    a run joins the Ray instance its process already has, so none may outlive the tests that chose its size."""
+    from miles.cluster import RayCluster
+    from miles.config.schema import ClusterConfig
+
+    cluster = RayCluster(OmegaConf.structured(ClusterConfig(num_cpus=2)), tmp_path_factory.mktemp("ray"))
+    yield cluster
+    cluster.shutdown()
 
 
 @fixture

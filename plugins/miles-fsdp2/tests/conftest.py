@@ -5,19 +5,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from miles.testing import tiny_model_dir  # noqa: E402,F401  (the fixture)
+from miles.testing import ray_cluster, tiny_model_dir  # noqa: E402,F401  (the fixtures)
 
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def ray_cluster(tmp_path_factory):
-    """A real local Ray instance with two CPUs, as on the 2-core CI machine."""
-    from omegaconf import OmegaConf
-
-    from miles.cluster import RayCluster
-    from miles.config.schema import ClusterConfig
-
-    cluster = RayCluster(OmegaConf.structured(ClusterConfig(num_cpus=2)), tmp_path_factory.mktemp("ray"))
-    yield cluster
-    cluster.shutdown()
+@pytest.fixture(scope="module", autouse=True)
+def _ray(ray_cluster):  # noqa: F811  (the fixture imported above)
+    """Every module here trains on Ray: miles.testing's two-CPU instance, for the module."""
+    yield ray_cluster

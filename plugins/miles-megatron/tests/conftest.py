@@ -8,7 +8,7 @@ import warnings  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from miles.testing import tiny_model_dir  # noqa: E402,F401  (the fixture)
+from miles.testing import ray_cluster, tiny_model_dir  # noqa: E402,F401  (the fixtures)
 
 torch.set_num_threads(1)
 # Without Apex or Transformer Engine, megatron-core warns at import that it falls back to PyTorch.
@@ -25,16 +25,3 @@ def megatron_process():
     parallel.init_model_parallel(Parallel(), seed=0)
     yield
     parallel.shutdown()
-
-
-@pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
-    """A real local Ray instance with two CPUs, as on the 2-core CI machine."""
-    from omegaconf import OmegaConf
-
-    from miles.cluster import RayCluster
-    from miles.config.schema import ClusterConfig
-
-    cluster = RayCluster(OmegaConf.structured(ClusterConfig(num_cpus=2)), tmp_path_factory.mktemp("ray"))
-    yield cluster
-    cluster.shutdown()

@@ -233,7 +233,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="evaluate a model on the config's eval datasets (mean@n, pass@k)")
     evaluate.add_argument("config", help="YAML config file: its eval section, data, engine, rollout function, reward")
     evaluate.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.datasets[0].n=8")
-    evaluate.add_argument("--model", required=True, metavar="DIR", help="an HF model directory, e.g. RUN_DIR/final_model")
+    evaluate.add_argument("--model", required=True, metavar="DIR",
+                          help="an HF model directory, e.g. RUN_DIR/final_model")
     evaluate.add_argument("--json", action="store_true", help="the metrics as JSON")
     evaluate.set_defaults(func=_cmd_eval)
 

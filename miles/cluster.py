@@ -15,7 +15,8 @@ from miles.errors import RunError
 __all__ = ["RayCluster", "describe_capacity", "describe_nodes", "dead_node"]
 
 _LOCAL_AMOUNT = 10_000.0  # of each custom resource on a local instance: more than any run reserves
-_MAX_TEMP_DIR = 40  # Ray puts unix sockets 62+ characters deep under it (session_<time>_<pid>/sockets/plasma_store): 107 at most
+# Ray puts unix sockets 62+ characters deep under it (session_<time>_<pid>/sockets/plasma_store): 107 at most
+_MAX_TEMP_DIR = 40
 
 
 class RayCluster:
@@ -46,8 +47,9 @@ class RayCluster:
             os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
             custom = {name: _LOCAL_AMOUNT for name in {**(cfg.get("engine_resources") or {}),
                                                          **(cfg.get("train_resources") or {})}}
-            ray.init(num_cpus=num_cpus or cfg.num_cpus or os.cpu_count(), object_store_memory=cfg.object_store_mb * 2**20,
-                     _temp_dir=str(temp_dir), _node_ip_address="127.0.0.1", resources=custom or None, **kwargs)
+            ray.init(num_cpus=num_cpus or cfg.num_cpus or os.cpu_count(),
+                     object_store_memory=cfg.object_store_mb * 2**20, _temp_dir=str(temp_dir),
+                     _node_ip_address="127.0.0.1", resources=custom or None, **kwargs)
         self.started_here = True
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, sigterm)  # ray.init installs its own, which exits without our clean-up

@@ -21,10 +21,11 @@ if TYPE_CHECKING:
 
     from miles.types import Group
 
-__all__ = ["hookspec", "Register", "takes_option", "ChecksArgs", "NeedsValues", "LossDefaults", "NeedsRefLogprobs", "ClosingRolloutFn", "BackgroundEngine",
-           "LoraEngine", "ProtocolLauncher", "MemorySaverLauncher",
-           "RoutedExpertsLauncher", "DescribedSandbox", "CheckedSandbox", "HostedSandbox", "RayBackend",
-           "ClosingTransport", "DiskTransportSwitch", "SnapshotTransport", "RewindableLogger"]
+__all__ = ["hookspec", "Register", "takes_option", "ChecksArgs", "NeedsValues", "LossDefaults", "NeedsRefLogprobs",
+           "ClosingRolloutFn", "BackgroundEngine", "LoraEngine", "ServerLauncher", "is_server_launcher",
+           "ProtocolLauncher", "MemorySaverLauncher", "RoutedExpertsLauncher", "DescribedSandbox", "CheckedSandbox",
+           "HostedSandbox", "RayBackend", "ClosingTransport", "DiskTransportSwitch", "SnapshotTransport",
+           "RewindableLogger"]
 
 hookspec = pluggy.HookspecMarker("miles")
 
@@ -180,6 +181,18 @@ class LoraEngine(Protocol):
     it keeps (``backend.lora.sync: adapters``)."""
 
     accepts_lora_adapters: bool
+
+
+@runtime_checkable
+class ServerLauncher(Protocol):
+    """A rollout engine registered with ``server_launcher = True`` is a server launcher (above)."""
+
+    server_launcher: bool
+
+
+def is_server_launcher(factory: Any) -> bool:
+    """Whether a registered rollout engine is a server launcher rather than an in-process engine."""
+    return isinstance(factory, ServerLauncher) and bool(factory.server_launcher)
 
 
 @runtime_checkable

@@ -71,7 +71,7 @@ class PluginManager(pluggy.PluginManager):
 
 
 def _miles_version() -> str:
-    from miles import __version__
+    from miles._version import __version__
 
     return __version__
 

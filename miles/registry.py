@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import inspect
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from miles import import_object
 from miles.errors import ConfigError, PluginError
 from miles.plugins import PluginInfo, PluginManager
 
-__all__ = ["KINDS", "Kind", "Entry", "Registry", "nested_nodes", "plugin_stack"]
+__all__ = ["KINDS", "Kind", "Entry", "Registry", "nested_nodes", "plugin_stack", "import_object"]
 
 
 @dataclass(frozen=True)
@@ -233,6 +233,21 @@ class Registry:
             return bound
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: {kind} {node['name']!r} rejected its arguments: {exc}") from exc
+
+
+def import_object(path: str) -> Any:
+    """The object at the import path ``package.module:name`` (``name`` may be dotted: ``module:Class.method``).
+    A ValueError when ``path`` is not of that form, or does not import (the import's error is its cause)."""
+    module_name, sep, attr = path.partition(":") if isinstance(path, str) else ("", "", "")
+    if not module_name or not sep or not attr:
+        raise ValueError(f"expected an import path 'package.module:name', got {path!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:
+        raise ValueError(f"cannot import {path!r}: {type(exc).__name__}: {exc}") from exc
+    return obj
 
 
 def _import_path(path: str, kind: str, where: str | None) -> Any:

@@ -1,10 +1,12 @@
 """Agentic rollouts: environments, tools and tool parsers, sandboxes, token-exact chat turns."""
 
 from miles.agentic.sandboxes.remote import PermanentError, RemoteSandbox
-from miles.agentic.types import CUT_MARKER, Action, EnvContext, ExecResult, Message, StepResult, Tool, ToolCall, ToolResult, tool
+from miles.agentic.types import (
+    CUT_MARKER, Action, EnvContext, ExecResult, Message, StepResult, Tool, ToolCall, ToolResult, tool,
+)
 
-__all__ = ["CUT_MARKER", "Action", "EnvContext", "ExecResult", "LocalSandbox", "Message", "PermanentError", "RemoteSandbox",
-           "StepResult", "Tool", "ToolCall", "ToolResult", "tool"]
+__all__ = ["CUT_MARKER", "Action", "EnvContext", "ExecResult", "LocalSandbox", "Message", "PermanentError",
+           "RemoteSandbox", "StepResult", "Tool", "ToolCall", "ToolResult", "tool"]
 
 
 def __getattr__(name: str):

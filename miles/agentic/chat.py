@@ -55,7 +55,8 @@ class Conversation:
     prompt.
     """
 
-    def __init__(self, fmt: BoundFormat | Any, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, fmt: BoundFormat | Any, messages: list[Message],
+                 tools: list[dict[str, Any]] | None = None) -> None:
         if not isinstance(fmt, BoundFormat):  # a tokenizer: the builtin format it speaks, with its own template
             fmt = for_tokenizer(fmt)
         self.format, self.tokenizer, self.tools = fmt, fmt.tokenizer, tools or None
@@ -132,7 +133,8 @@ class Conversation:
         at = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
         char = len(self.tokenizer.decode(old[:at], skip_special_tokens=False))
         message = self._message_at(char)
-        show = lambda ids: repr(self.tokenizer.decode(ids[at:at + 1], skip_special_tokens=False)) if at < len(ids) else "nothing"
+        show = lambda ids: (repr(self.tokenizer.decode(ids[at:at + 1], skip_special_tokens=False)) if at < len(ids)
+                            else "nothing")
         context = lambda ids: repr(self.tokenizer.decode(ids[max(0, at - 8):at + 8], skip_special_tokens=False))
         roles = ", ".join(m["role"] for m in new_messages)
         return NotAppendOnly(

@@ -146,7 +146,8 @@ def _strip_stop(fmt: BoundFormat, text: str) -> str:
     return text
 
 
-def play(fmt: BoundFormat, messages: list[Message], tools: list[dict[str, Any]] | None) -> tuple[list[int], list[str], list[str]]:
+def play(fmt: BoundFormat, messages: list[Message],
+         tools: list[dict[str, Any]] | None) -> tuple[list[int], list[str], list[str]]:
     """The ids a rollout records for ``messages``, the generated text of each assistant turn, and problems
     parsing those turns back. Raises NotAppendOnly where the template is not append-only."""
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")

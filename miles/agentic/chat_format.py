@@ -22,7 +22,8 @@ from typing import Any
 
 from miles.agentic.types import Message, ToolCall
 
-__all__ = ["BoundFormat", "ChatFormat", "ReasoningSplit", "bind", "builtin_formats", "detect", "for_tokenizer", "generation_eos_ids", "resolve"]
+__all__ = ["BoundFormat", "ChatFormat", "ReasoningSplit", "bind", "builtin_formats", "detect", "for_tokenizer",
+           "generation_eos_ids", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class ChatFormat:
         if not self.end_of_turn:
             raise ValueError(f"chat format {self.name!r}: end_of_turn must name at least one token")
         if self.arguments not in ("json", "mapping"):
-            raise ValueError(f"chat format {self.name!r}: arguments must be 'json' or 'mapping', got {self.arguments!r}")
+            raise ValueError(f"chat format {self.name!r}: arguments must be 'json' or 'mapping', "
+                             f"got {self.arguments!r}")
         if self.tool_call_id != "alnum9":
             fields = {f for _, f, _, _ in string.Formatter().parse(self.tool_call_id) if f}
             if not fields <= {"index", "name"}:

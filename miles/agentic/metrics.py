@@ -6,7 +6,12 @@ from statistics import fmean, quantiles
 
 from miles.types import Sample
 
-__all__ = ["agentic_metrics"]
+__all__ = ["TITO_STATS", "TOOL_STATS", "agentic_metrics"]
+
+# What an agentic rollout records per trajectory: sample.metadata["tools"] (multi_turn, the session server) and
+# sample.metadata["tito"] (rollout.tito.on_mismatch's work), each a count per key.
+TOOL_STATS = ("calls", "succeeded", "parse_errors", "schema_errors", "timeouts")
+TITO_STATS = ("mismatches", "splits", "retokenized_tokens")
 
 
 def agentic_metrics(samples: list[Sample]) -> dict[str, float]:

@@ -2,9 +2,9 @@
 
 A parser (registry kind ``tool_parser``) only finds calls; :func:`check_calls` validates every call
 the same way for all parsers. A parser sets a call's ``id`` only when the generated text carries one; the
-rollout gives the others the chat format's ids (:func:`miles.agentic.turns.read_turn`). A call that cannot be used carries an ``error`` that goes back to the
-model as an observation, and is counted as a parse error (the text is not a call) or a schema error
-(an unknown tool, or arguments that break the tool's schema).
+rollout gives the others the chat format's ids (:func:`miles.agentic.turns.read_turn`). A call that cannot
+be used carries an ``error`` that goes back to the model as an observation, and is counted as a parse error
+(the text is not a call) or a schema error (an unknown tool, or arguments that break the tool's schema).
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def read_turn(fmt: BoundFormat, token_ids: list[int], tools: list[dict[str, Any]
     for i, call in enumerate(checked.calls):
         if not call.id:
             call.id = fmt.format.call_id(first_call_index + i, call.name, seed)
-    return PolicyTurn(text, answer, reasoning, checked, assistant_message(fmt.format, content, reasoning, checked.valid))
+    return PolicyTurn(text, answer, reasoning, checked,
+                      assistant_message(fmt.format, content, reasoning, checked.valid))
 
 
 def _without_special_tokens(tokenizer: Any, text: str) -> str:

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CUT_MARKER", "Action", "EnvContext", "ExecResult", "Message", "StepResult", "Tool", "ToolCall", "ToolResult",
-           "tool"]
+__all__ = ["CUT_MARKER", "Action", "EnvContext", "ExecResult", "Message", "StepResult", "Tool", "ToolCall",
+           "ToolResult", "tool"]
 
 CUT_MARKER = "\n[... {} more bytes cut]"  # ends an output a sandbox cut; {}: how many bytes were left out
 Message = dict[str, Any]  # an OpenAI-style chat message: {"role": ..., "content": ..., ...}

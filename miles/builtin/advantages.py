@@ -17,7 +17,8 @@ import torch
 from miles import hookimpl
 from miles.types import TrainBatch
 
-__all__ = ["group_stats", "batch_whiten", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"]
+__all__ = ["group_stats", "batch_whiten", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo",
+           "ppo"]
 
 
 def group_stats(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,7 +82,8 @@ def rloo(batch: TrainBatch, whiten: bool = False) -> torch.Tensor:
     """RLOO: ``r_i - mean_{j != i} r_j`` over the other samples of the group (0 for a group of one)."""
     rewards = batch.sequence_rewards()
     mean, _, count = group_stats(rewards, batch.group_index)
-    leave_one_out = torch.where(count > 1, count / (count - 1).clamp(min=1) * (rewards - mean), torch.zeros_like(rewards))
+    leave_one_out = torch.where(count > 1, count / (count - 1).clamp(min=1) * (rewards - mean),
+                                torch.zeros_like(rewards))
     return _per_token(leave_one_out, batch, whiten)
 
 

@@ -1,4 +1,5 @@
-"""Registers the builtin tool ``execute_python_code`` and the ``tool_env`` environment (:mod:`miles.agentic.tool_env`)."""
+"""Registers the builtin tool ``execute_python_code`` and the ``tool_env`` environment
+(:mod:`miles.agentic.tool_env`)."""
 
 from miles import hookimpl
 from miles.agentic.tool_env import ToolEnv, execute_python_code

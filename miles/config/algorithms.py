@@ -36,7 +36,8 @@ def apply_estimator_defaults(config: DictConfig, registry: Registry) -> None:
         for key, value in (estimator.loss_defaults if isinstance(estimator, LossDefaults) else {}).items():
             if key in accepted and key not in config.loss:
                 config.loss[key] = value
-        if config.loss.get("agg") == "constant" and "norm_tokens" in accepted and config.loss.get("norm_tokens") is None:
+        if (config.loss.get("agg") == "constant" and "norm_tokens" in accepted
+                and config.loss.get("norm_tokens") is None):
             config.loss["norm_tokens"] = int(config.rollout.sampling.max_new_tokens)
 
 
@@ -54,8 +55,8 @@ def conflicts(config: DictConfig, registry: Registry) -> list[str]:
             problems.append("advantage.whiten=true conflicts with advantage.name=dr_grpo: Dr. GRPO removes the std "
                             "normalisation that whitening brings back")
         if loss.get("agg", "constant") != "constant":
-            problems.append(f"loss.agg={loss['agg']} conflicts with advantage.name=dr_grpo: Dr. GRPO needs the constant "
-                            f"normaliser (loss.agg=constant)")
+            problems.append(f"loss.agg={loss['agg']} conflicts with advantage.name=dr_grpo: Dr. GRPO needs the "
+                            f"constant normaliser (loss.agg=constant)")
     if loss.get("tis", "none") != "none" and backend.get("old_logprobs", "rollout") != "recompute":
         problems.append(f"loss.tis={loss['tis']} needs backend.old_logprobs=recompute: truncated importance sampling "
                         f"weighs the trainer's old log-probs against the engine's, and with old_logprobs=rollout "

@@ -50,7 +50,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _read_yaml(path: Path) -> DictConfig:
     if path.is_dir():
-        raise ConfigError(f"config file {str(path)!r} is a directory; expected a YAML file (e.g. configs/quickstart.yaml)")
+        raise ConfigError(f"config file {str(path)!r} is a directory; expected a YAML file "
+                          f"(e.g. configs/quickstart.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
@@ -120,7 +121,8 @@ def _list_problems(key: str, value: Any, source: str, schema: DictConfig) -> lis
     for i, item in enumerate(value):
         where = f"{key}[{i}]"
         if not isinstance(item, dict):
-            problems.append(f"config key {where!r} (in {source}) expects a mapping, got {item!r} ({type(item).__name__})")
+            problems.append(f"config key {where!r} (in {source}) expects a mapping, "
+                            f"got {item!r} ({type(item).__name__})")
             continue
         section = OmegaConf.structured(element)
         for leaf, leaf_value in _leaves(item):

@@ -16,7 +16,7 @@ from miles.config.keys import keys
 from miles.config.schema import (COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES, EvalDatasetConfig, component_node,
                                  schema_keys, split_node)
 from miles.errors import ConfigError
-from miles.hookspecs import ChecksArgs, NeedsValues, RayBackend
+from miles.hookspecs import ChecksArgs, NeedsValues, RayBackend, is_server_launcher
 from miles.registry import KINDS, Registry, nested_nodes
 
 __all__ = ["validate_config", "component_node", "split_node"]
@@ -118,7 +118,6 @@ def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[st
 
 def _engine_problems(registry: Registry, plain: dict[str, Any], engines: int, extra: dict[str, Any]) -> list[str]:
     """A server launcher (e.g. ``sglang``) runs only as N >= 1 engines over HTTP; ``local`` either way."""
-    from miles.engine.launchers import is_server_launcher
 
     problems = []
     name = plain.get("name")
@@ -239,7 +238,6 @@ def _debug_problems(config: DictConfig, registry: Registry) -> list[str]:
         problems.append(f"run.schedule: cluster.local_mode runs rollouts on the main thread, then trains, so it needs "
                         f"run.schedule sync (got {run_cfg.schedule})")
     engine, extra = split_node(config.rollout.engine, "rollout.engine")
-    from miles.engine.launchers import is_server_launcher
 
     if is_server_launcher(registry.get("rollout_engine", engine["name"]).obj):
         problems.append(f"rollout.engine: engine {engine['name']!r} runs as a server of its own and cannot run in "

@@ -35,12 +35,7 @@ from typing import Any
 
 from miles.errors import RunError
 
-__all__ = ["EmbeddedLauncher", "SubprocessLauncher", "MilesServerLauncher", "is_server_launcher", "log_tail"]
-
-
-def is_server_launcher(factory: Any) -> bool:
-    """Whether a registered rollout engine is a server launcher (rather than an in-process engine)."""
-    return bool(getattr(factory, "server_launcher", False))
+__all__ = ["EmbeddedLauncher", "SubprocessLauncher", "MilesServerLauncher", "log_tail"]
 
 
 class EmbeddedLauncher:

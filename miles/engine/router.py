@@ -142,12 +142,13 @@ class Router:
 
     # -- requests -----------------------------------------------------------------------------------
 
-    async def post(self, engine: EngineEndpoint, path: str, body: dict[str, Any] | bytes, timeout_s: float | None = None,
-                   params: dict[str, str] | None = None) -> Any:
+    async def post(self, engine: EngineEndpoint, path: str, body: dict[str, Any] | bytes,
+                   timeout_s: float | None = None, params: dict[str, str] | None = None) -> Any:
         """POST JSON (a dict) or raw bytes (``application/octet-stream``) to one engine."""
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
         if isinstance(body, bytes):
-            kwargs: dict[str, Any] = {"data": body, "headers": {**self.headers, "Content-Type": "application/octet-stream"}}
+            kwargs: dict[str, Any] = {"data": body,
+                                      "headers": {**self.headers, "Content-Type": "application/octet-stream"}}
         else:
             kwargs = {"json": body, "headers": self.headers}
         async with self._session.post(engine.url + path, timeout=timeout, params=params, **kwargs) as resp:

@@ -27,7 +27,8 @@ async def generate(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list) or not body["input_ids"]:
         return web.json_response({"error": "input_ids: expected a non-empty list of token ids"}, status=400)
     router = request.app[ROUTER]
-    args: dict[str, Any] = {"sampling_params": body.get("sampling_params"), "return_logprob": bool(body.get("return_logprob"))}
+    args: dict[str, Any] = {"sampling_params": body.get("sampling_params"),
+                            "return_logprob": bool(body.get("return_logprob"))}
     try:
         if all(isinstance(x, list) for x in body["input_ids"]):
             answers = await asyncio.gather(*(router.generate(ids, **args) for ids in body["input_ids"]))

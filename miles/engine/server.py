@@ -168,7 +168,7 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    from miles import __version__
+    from miles._version import __version__
 
     engine, policy = request.app[ENGINE], request.app[POLICY]
     return json_answer({
@@ -317,7 +317,8 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     if missing:
         return error_answer(400, f"missing field(s): {', '.join(missing)}")
     rank = int(body["rank_offset"])  # SGLang's rank = rank_offset + tp_rank; one rank here; the trainer is rank 0
-    args = (body["master_address"], int(body["master_port"]), rank, int(body["world_size"]), body.get("backend", "gloo"))
+    args = (body["master_address"], int(body["master_port"]), rank, int(body["world_size"]),
+            body.get("backend", "gloo"))
     try:
         group = await asyncio.get_running_loop().run_in_executor(None, lambda: open_weight_group(*args))
     except Exception as exc:
@@ -336,7 +337,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
             and len(names) == len(dtypes) == len(shapes)):
         return error_answer(400, "names, dtypes, shapes: expected three lists of the same length")
     if any(d not in DTYPES for d in dtypes):
-        return error_answer(400, f"dtypes: expected names among {', '.join(DTYPES)}, got {sorted(set(dtypes) - set(DTYPES))}")
+        return error_answer(400, f"dtypes: expected names among {', '.join(DTYPES)}, "
+                                 f"got {sorted(set(dtypes) - set(DTYPES))}")
     tensors = {n: torch.empty(tuple(s), dtype=DTYPES[d]) for n, d, s in zip(names, dtypes, shapes)}
     await asyncio.get_running_loop().run_in_executor(None, broadcast_tensors, group, list(tensors.values()))
     return await _apply(request, lambda: tensors, body)
@@ -412,10 +414,11 @@ def build_app(engine: LocalEngine, admin_token: str = "", *, max_request_bytes: 
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 30000, seed: int = 0, admin_token: str = "", *,
-          device: str = "cpu", dtype: str = "float32", max_request_bytes: int = MAX_REQUEST_BYTES, max_weight_request_bytes: int = MAX_WEIGHT_REQUEST_BYTES,
-          allowed_hosts: tuple[str, ...] = ()) -> None:
+          device: str = "cpu", dtype: str = "float32", max_request_bytes: int = MAX_REQUEST_BYTES,
+          max_weight_request_bytes: int = MAX_WEIGHT_REQUEST_BYTES, allowed_hosts: tuple[str, ...] = ()) -> None:
     if host not in LOOPBACK and not admin_token:
-        raise ValueError(f"--host {host}: serving beyond loopback needs an admin token (--admin-token or MILES_ADMIN_TOKEN)")
+        raise ValueError(f"--host {host}: serving beyond loopback needs an admin token "
+                         f"(--admin-token or MILES_ADMIN_TOKEN)")
     limits = [("--max-request-mib", max_request_bytes), ("--max-weight-request-mib", max_weight_request_bytes)]
     for name, value in limits:
         if value <= 0:

@@ -1,5 +1,6 @@
-"""Evaluation: greedy accuracy on held-out prompts (:func:`evaluate`), and held-out datasets: ``n`` samples per prompt at the dataset's sampling parameters, scored by
-the run's reward, through the run's rollout function (multi-turn envs included).
+"""Evaluation: greedy accuracy on held-out prompts (:func:`evaluate`), and held-out datasets: ``n`` samples per
+prompt at the dataset's sampling parameters, scored by the run's reward, through the run's rollout function
+(multi-turn envs included).
 
 Per dataset ``<name>`` (the ``eval`` section, docs/evaluation.md): ``eval/<name>/mean@<n>`` (the mean reward
 of all samples), ``eval/<name>/pass@<k>`` for each configured ``k`` (the unbiased estimator of the chance
@@ -74,8 +75,8 @@ def read_eval_sets(config: Any, tokenizer: Any, eval_path: str | None, context: 
         room = int(sampling["max_new_tokens"])
         too_long = [p for p in prompts if len(p.prompt_ids) + room > context]
         if too_long:
-            raise ConfigError(f"{where}: {len(too_long)} of {len(prompts)} prompt(s) of {str(path)!r} leave no room for "
-                              f"max_new_tokens={room} in the model's context of {context} tokens (row "
+            raise ConfigError(f"{where}: {len(too_long)} of {len(prompts)} prompt(s) of {str(path)!r} leave no room "
+                              f"for max_new_tokens={room} in the model's context of {context} tokens (row "
                               f"{too_long[0].index + 1} has {len(too_long[0].prompt_ids)} tokens)")
         if not prompts:
             raise ConfigError(f"{where}: {str(path)!r} holds no prompt")
@@ -104,14 +105,16 @@ def evaluate_set(es: EvalSet, rollout_fn: Callable, ctx: RolloutContext, reward_
     return metrics
 
 
-def evaluate_sets(sets: list[EvalSet], rollout_fn: Callable, ctx: RolloutContext, reward_fn: Callable) -> dict[str, float]:
+def evaluate_sets(sets: list[EvalSet], rollout_fn: Callable, ctx: RolloutContext,
+                  reward_fn: Callable) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for es in sets:
         metrics.update(evaluate_set(es, rollout_fn, ctx, reward_fn))
     return metrics
 
 
-def evaluate(prompts: list[Prompt], rollout_fn: Callable, ctx: RolloutContext, reward_fn: Callable, pass_reward: float) -> dict[str, float]:
+def evaluate(prompts: list[Prompt], rollout_fn: Callable, ctx: RolloutContext, reward_fn: Callable,
+             pass_reward: float) -> dict[str, float]:
     """Greedy decoding on held-out prompts; failed samples count as unsolved."""
     if not prompts:
         return {}

@@ -7,9 +7,9 @@ Every schedule composes the same stages (:mod:`miles.loop.step`): collect -> lea
 ``one_step_off`` and ``async`` run a :class:`GroupStream` on the rollout plane's event loop, beside the
 trainer: prompts are admitted, their groups generated, rewarded and selected as each completes, and
 kept groups wait in a buffer until the trainer takes a batch. ``one_step_off`` admits one whole step
-of prompts when the trainer takes the last, so step k+1 generates while step k trains (staleness 1). ``async`` admits a group
-whenever there is room (sample-level scheduling: a finished group's slot is refilled at once, long
-trajectories never hold a batch).
+of prompts when the trainer takes the last, so step k+1 generates while step k trains (staleness 1). ``async``
+admits a group whenever there is room (sample-level scheduling: a finished group's slot is refilled at
+once, long trajectories never hold a batch).
 
 Staleness. A group's age when taken is the trainer's weight version minus the oldest version that
 sampled any of its tokens. Admission is paced so that no more groups are in the pipeline (generating,

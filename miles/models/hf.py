@@ -27,8 +27,8 @@ from transformers.utils import logging as hf_logging
 
 from miles.errors import ConfigError
 
-__all__ = ["build_char_tokenizer", "build_model_dir", "context_length", "exact_logprobs", "load_model", "load_tokenizer",
-           "save_pretrained"]
+__all__ = ["build_char_tokenizer", "build_model_dir", "context_length", "exact_logprobs", "load_model",
+           "load_tokenizer", "save_pretrained"]
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
@@ -123,9 +123,9 @@ def _qwen3_moe_config(vocab_size: int, tokenizer: PreTrainedTokenizerBase, build
     router picks ``num_experts_per_tok`` per token."""
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(**_shared_fields(vocab_size, tokenizer, build), moe_intermediate_size=build.moe_intermediate_size,
-                          num_experts=build.num_experts, num_experts_per_tok=build.num_experts_per_tok,
-                          norm_topk_prob=build.norm_topk_prob)
+    return Qwen3MoeConfig(**_shared_fields(vocab_size, tokenizer, build),
+                          moe_intermediate_size=build.moe_intermediate_size, num_experts=build.num_experts,
+                          num_experts_per_tok=build.num_experts_per_tok, norm_topk_prob=build.norm_topk_prob)
 
 
 _ARCHS = {"qwen3": _qwen3_config, "qwen3_moe": _qwen3_moe_config}

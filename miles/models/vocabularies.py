@@ -42,7 +42,8 @@ def _cache_dir() -> Path:
 
 def _byte_chars() -> dict[int, str]:
     """GPT-2's byte-to-character map, which byte-level BPE vocabularies are written in."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
     chars, extra = {b: chr(b) for b in printable}, 0
     for b in range(256):
         if b not in chars:
@@ -130,7 +131,8 @@ def build_bpe_tokenizer(vocabulary: str, special_tokens: Sequence[str] = (), cha
         raise ValueError(f"vocabulary {vocabulary!r} needs the package {exc.name.replace('_', '-')!r} "
                          f"(pip install {exc.name.replace('_', '-')})") from exc
     if not isinstance(max_ranks, int) or max_ranks < 0 or 0 < max_ranks < 256:
-        raise ValueError(f"max_ranks: expected 0 (the whole vocabulary) or at least 256 (every byte), got {max_ranks!r}")
+        raise ValueError(f"max_ranks: expected 0 (the whole vocabulary) or at least 256 (every byte), "
+                         f"got {max_ranks!r}")
     source = {"tokenizer_file": path} if not max_ranks else {"tokenizer_object": _truncated(path, max_ranks)}
     if vocabulary == "qwen":
         tokenizer = PreTrainedTokenizerFast(**source, eos_token="<|endoftext|>", pad_token="<|endoftext|>")

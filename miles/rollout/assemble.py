@@ -21,7 +21,7 @@ from miles.config.validate import resolve_tool, split_node
 from miles.errors import RunError
 from miles.hookspecs import (BackgroundEngine, CheckedSandbox, ClosingRolloutFn, DescribedSandbox,
                              DiskTransportSwitch, HostedSandbox, MemorySaverLauncher, ProtocolLauncher,
-                             RoutedExpertsLauncher, takes_option)
+                             RoutedExpertsLauncher, is_server_launcher, takes_option)
 from miles.models.hf import context_length
 from miles.rollout.context import RolloutContext
 from miles.rollout.plane import RolloutPlane
@@ -84,7 +84,7 @@ def rollout_plane(p: Any, model_path: str, transport: Any, ray_cluster: Callable
 def engine_launcher(p: Any, engine_args: dict[str, Any]) -> Any:
     """What each engine actor serves with: the registered engine when it is a server launcher (e.g. ``sglang``),
     else the in-process engine served from the actor (:class:`~miles.engine.launchers.EmbeddedLauncher`)."""
-    from miles.engine.launchers import EmbeddedLauncher, is_server_launcher
+    from miles.engine.launchers import EmbeddedLauncher
 
     if is_server_launcher(p.registry.get("rollout_engine", engine_args["name"]).obj):
         return p.registry.build("rollout_engine", engine_args, "rollout.engine")

@@ -64,7 +64,8 @@ def _check_jsonl(path: Path) -> None:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
-                raise DataError(f"data file {str(path)!r}, line {number}: not UTF-8 text (is it a binary file?)") from None
+                raise DataError(f"data file {str(path)!r}, line {number}: not UTF-8 text "
+                                f"(is it a binary file?)") from None
             if not line.strip():
                 continue
             try:

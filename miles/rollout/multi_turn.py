@@ -15,15 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.agentic.chat import Conversation, NotAppendOnly, normalize_messages
+from miles.agentic.metrics import TITO_STATS, TOOL_STATS
 from miles.agentic.turns import read_turn
 from miles.agentic.types import Action, EnvContext, ToolResult
 from miles.rollout.context import RolloutContext
 from miles.types import Sample, SampleStatus
 
-__all__ = ["MultiTurn", "TITO_STATS", "TOOL_STATS"]
-
-TOOL_STATS = ("calls", "succeeded", "parse_errors", "schema_errors", "timeouts")
-TITO_STATS = ("mismatches", "splits", "retokenized_tokens")  # per trajectory: rollout.tito.on_mismatch's work
+__all__ = ["MultiTurn"]
 
 
 @dataclass

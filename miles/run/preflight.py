@@ -120,7 +120,8 @@ def _stage_model(p: Any, staging: Path) -> tuple[str, bool]:
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"model.path {path!r} is not an HF model directory (no config.json there)")
         return str(path), False
-    out = build_model_dir(p.config.model.build, p.config.model.tokenizer, staging / "init_model", int(p.config.run.seed))
+    out = build_model_dir(p.config.model.build, p.config.model.tokenizer, staging / "init_model",
+                          int(p.config.run.seed))
     return str(out), True
 
 
@@ -157,15 +158,16 @@ def batch_arithmetic(config: Any) -> str:
     per_mini = prompts // minis * n
     if per_mini < workers:
         raise ConfigError(f"backend.world_size: {workers} data-parallel workers for mini-batches of {per_mini} samples "
-                          f"(rollout.prompts_per_step={prompts} x rollout.n_samples={n} / backend.mini_batches={minis}); "
+                          f"(rollout.prompts_per_step={prompts} x rollout.n_samples={n} / "
+                          f"backend.mini_batches={minis}); "
                           f"every worker needs at least one sample: fewer workers or mini-batches, or more prompts")
     steps = minis * epochs
     text = (f"batch: {prompts} prompts x {n} samples = {prompts * n} samples per step; {minis} mini-batch"
-            f"{'es' if minis > 1 else ''} of {per_mini} x {epochs} epoch{'s' if epochs > 1 else ''} = {steps} optimizer "
-            f"step{'s' if steps > 1 else ''} per rollout")
+            f"{'es' if minis > 1 else ''} of {per_mini} x {epochs} epoch{'s' if epochs > 1 else ''} = "
+            f"{steps} optimizer step{'s' if steps > 1 else ''} per rollout")
     if steps > 1:
-        text += (f"; the last trains on samples from a policy {steps - 1} optimizer step{'s' if steps > 2 else ''} older "
-                 f"(train/policy_lag_max)")
+        text += (f"; the last trains on samples from a policy {steps - 1} optimizer "
+                 f"step{'s' if steps > 2 else ''} older (train/policy_lag_max)")
     return text
 
 

@@ -4,7 +4,8 @@ The run's ``config.yaml`` (with the given overrides) builds the backend, advanta
 from the model the run's RL phase started from (``rollouts/meta.json``) with the run's seed and torch threads,
 and each saved step goes through the run's own :class:`~miles.loop.learner.Learner`, with this process's RNG as
 that step found it (a distillation run's teacher scores them again). Without overrides, every ``train/*`` metric
-of every step equals the original's. Nothing under RUN_DIR changes but the output folder (``RUN_DIR/replay`` by default).
+of every step equals the original's. Nothing under RUN_DIR changes but the output folder (``RUN_DIR/replay`` by
+default).
 """
 
 from __future__ import annotations

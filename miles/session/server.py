@@ -33,7 +33,7 @@ from aiohttp import web
 from miles.agentic.chat import Conversation, NotAppendOnly
 from miles.agentic.turns import turn_source
 from miles.engine.http_guard import LOOPBACK, POLICY, Policy, Refused, error_answer, guard, json_answer, json_body
-from miles.rollout.multi_turn import TOOL_STATS
+from miles.agentic.metrics import TOOL_STATS
 from miles.session.openai_api import (
     ApiError, ChatRequest, assistant_turn, completion_answer, first_difference, parse_chat_request,
 )

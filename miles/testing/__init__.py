@@ -16,7 +16,7 @@ from miles.testing.fixtures import ADDITION_ALPHABET, fixture, pytest  # noqa: F
 from miles.testing.sandbox import SandboxConformance
 
 __all__ = [
-    "BackendConformance", "build_chat_model", "build_tiny_model", "chat_model_dir", "make_registry", "make_sample", "make_train_batch", "tiny_model_dir",
-    "miles_registry", "MILES_WITH_CTRL_C", "SandboxConformance", "EnvConformance", "ScriptedPolicy", "CHAT_ALPHABET",
-    "CHAT_TOKENIZER", "ray_cluster", "serve_engine", "serve_in_thread",
+    "BackendConformance", "build_chat_model", "build_tiny_model", "chat_model_dir", "make_registry", "make_sample",
+    "make_train_batch", "tiny_model_dir", "miles_registry", "MILES_WITH_CTRL_C", "SandboxConformance", "EnvConformance",
+    "ScriptedPolicy", "CHAT_ALPHABET", "CHAT_TOKENIZER", "ray_cluster", "serve_engine", "serve_in_thread",
 ]

@@ -41,7 +41,8 @@ class RemoteBackend:
         try:
             return self._ray.get(self._actor.call.remote(method, *args, **kwargs))
         except self._ray.exceptions.RayActorError as exc:
-            raise RunError(f"the training worker died during {method}: {exc}. The last checkpoint is untouched.") from exc
+            raise RunError(f"the training worker died during {method}: {exc}. "
+                           f"The last checkpoint is untouched.") from exc
 
     def setup(self, model_path: str, *, seed: int, **options: Any) -> None:
         self._call("setup", model_path, seed=seed, **options)
@@ -103,7 +104,8 @@ def launch_backend(ray: Any, backend: Any, *, cpus: float, startup_timeout_s: fl
         raise RunError(f"could not place the training worker ({bundle}) within {startup_timeout_s} s "
                        f"(cluster.train_cpus, cluster.train_resources); {describe_capacity(ray, bundle)}")
     actor = ray.remote(BackendHost).options(
-        num_cpus=cpus, resources=resources, scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+        num_cpus=cpus, resources=resources,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
     ).remote(backend, max(1, int(cpus)))
     node = ray.get(actor.node_id.remote(), timeout=startup_timeout_s)
     print(f"backend: the training worker on Ray node {describe_nodes(ray, [node])}", file=sys.stderr)

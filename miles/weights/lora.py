@@ -9,8 +9,8 @@ An adapter payload is a state dict of three tensors per adapted layer, named aft
 - ``<layer>.lora_scaling``, one float (``[1]``): ``alpha / rank``.
 
 The merged weight is ``W + scaling * (B @ A)``, computed in float32 (one ``addmm``) and cast to ``W``'s dtype.
-A payload holds every adapter (never a difference to the last one), so merging it into the base weights gives the same result
-however many payloads came before; this module has no dependency on peft and is shared by both planes.
+A payload holds every adapter (never a difference to the last one), so merging it into the base weights gives the
+same result however many payloads came before; this module has no dependency on peft and is shared by both planes.
 """
 
 from __future__ import annotations

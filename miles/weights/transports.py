@@ -60,9 +60,10 @@ def _refuse_sglang(name: str, engines: list[Endpoint]) -> None:
     /update_weights_from_shm: these transports cannot reach it."""
     if sglang := _sglang(engines):
         raise ConfigError(f"rollout.weight_sync: {name!r} cannot update SGLang servers "
-                          f"({', '.join(e.url for e in sglang)}): SGLang's /update_weights_from_tensor takes handles to "
-                          f"tensors in the sender's GPU memory, not safetensors bytes. Use disk (a checkpoint directory "
-                          f"the servers can read) or distributed (a broadcast group), or auto (disk for SGLang servers)")
+                          f"({', '.join(e.url for e in sglang)}): SGLang's /update_weights_from_tensor takes handles "
+                          f"to tensors in the sender's GPU memory, not safetensors bytes. Use disk (a checkpoint "
+                          f"directory the servers can read) or distributed (a broadcast group), or auto (disk for "
+                          f"SGLang servers)")
 
 
 def _in_service(plane: Engines) -> list[Any]:
@@ -80,7 +81,8 @@ class InProcessTransport:
 
     def push(self, backend: Any, plane: Engines, version: int) -> int:
         if plane.remote:
-            raise ConfigError("rollout.weight_sync: 'in_process' needs in-process engines (rollout.engine.num_engines=0); "
+            raise ConfigError("rollout.weight_sync: 'in_process' needs in-process engines "
+                              "(rollout.engine.num_engines=0); "
                               "use auto, shm, tensor, disk or distributed for engines served over HTTP")
         return _copy_to_local(plane, backend.export_weights(), version)
 

@@ -36,7 +36,8 @@ def decode_named_tensors(payload: str) -> dict[str, torch.Tensor]:
     try:
         return load_safetensors(base64.b64decode(payload, validate=True))
     except Exception as exc:
-        raise ValueError(f"serialized_named_tensors: not base64 safetensors bytes ({type(exc).__name__}: {exc})") from exc
+        raise ValueError(f"serialized_named_tensors: not base64 safetensors bytes "
+                         f"({type(exc).__name__}: {exc})") from exc
 
 
 def open_weight_group(master_address: str, master_port: int, rank: int, world_size: int,

@@ -30,8 +30,8 @@ OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output�
 
 # every DeepSeek chat format is a candidate for this vocabulary; R1 and V3.1 add the reasoning tags, so that
 # without a published template to single one out, R1 and V3.1 tie (detection refuses to guess)
-_TOKENS = ("<｜User｜>", "<｜Assistant｜>", CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, OUTPUTS_BEGIN, OUTPUTS_END,
-           OUTPUT_BEGIN, OUTPUT_END)
+_TOKENS = ("<｜User｜>", "<｜Assistant｜>", CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, OUTPUTS_BEGIN,
+           OUTPUTS_END, OUTPUT_BEGIN, OUTPUT_END)
 _THINK = ("<think>", "</think>")
 
 
@@ -179,8 +179,8 @@ DEEPSEEK_V3 = ChatFormat(
 
 DEEPSEEK_V31 = ChatFormat(
     name="deepseek_v31",
-    description="DeepSeek-V3.1 hybrid thinking: <think> after <｜Assistant｜> when `thinking` is on, </think> when off; "
-                "tool calls as NAME<｜tool▁sep｜>ARGS",
+    description="DeepSeek-V3.1 hybrid thinking: <think> after <｜Assistant｜> when `thinking` is on, "
+                "</think> when off; tool calls as NAME<｜tool▁sep｜>ARGS",
     end_of_turn=(EOS,),
     tool_parser="deepseek_v31",
     reasoning_parser="deepseek_v31",

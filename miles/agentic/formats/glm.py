@@ -93,8 +93,8 @@ def _value(text: str) -> Any:
 
 GLM45 = ChatFormat(
     name="glm45",
-    description="GLM-4.5 / GLM-4.6: <think> reasoning, <tool_call> with <arg_key>/<arg_value> pairs, turns ended by the "
-                "next role token",
+    description="GLM-4.5 / GLM-4.6: <think> reasoning, <tool_call> with <arg_key>/<arg_value> pairs, "
+                "turns ended by the next role token",
     end_of_turn=("<|endoftext|>",),
     next_role_tokens=("<|observation|>", "<|user|>"),
     tool_parser="glm45",

@@ -63,7 +63,8 @@ def _call(obj: Any) -> ToolCall:
 
 MISTRAL_V3 = ChatFormat(
     name="mistral_v3",
-    description="Mistral instruct v3 (7B-v0.3, Mixtral-8x22B, Large-2407): [TOOL_CALLS] JSON lists with 9-character ids",
+    description="Mistral instruct v3 (7B-v0.3, Mixtral-8x22B, Large-2407): [TOOL_CALLS] JSON lists with "
+                "9-character ids",
     end_of_turn=("</s>",),
     tool_parser="mistral",
     tool_call_id="alnum9",

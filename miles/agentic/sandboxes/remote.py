@@ -97,7 +97,8 @@ class RemoteSandbox:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
         handle = await self._open()
         for path, data in (files or {}).items():
-            await self._call("write", self._write(handle, self._path(path), data.encode() if isinstance(data, str) else data))
+            await self._call("write", self._write(handle, self._path(path),
+                                                  data.encode() if isinstance(data, str) else data))
         started = time.monotonic()
         stdout, stderr, exit_code, timed_out = await self._call(
             "exec", self._exec(handle, command, cwd=self.cwd, timeout_s=timeout_s), timeout_s + CALL_GRACE_S)
@@ -197,7 +198,8 @@ class RemoteSandbox:
         """Make one sandbox tagged with ``labels``, deleted by the provider after ``lifetime_s``; a handle."""
         raise NotImplementedError
 
-    async def _exec(self, handle: Any, command: str, *, cwd: str, timeout_s: float) -> tuple[str, str, int | None, bool]:
+    async def _exec(self, handle: Any, command: str, *, cwd: str,
+                    timeout_s: float) -> tuple[str, str, int | None, bool]:
         """Run ``command`` with a shell in ``cwd``: stdout, stderr, exit code (None if killed), timed out."""
         raise NotImplementedError
 

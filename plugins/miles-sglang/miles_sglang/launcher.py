@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from miles.engine.launchers import SubprocessLauncher
+from miles.engine.api import SubprocessLauncher
 
 __all__ = ["SGLangLauncher", "sglang_argv", "DTYPES", "RESERVED_FLAGS"]
 

@@ -20,7 +20,8 @@ import torch
 
 from miles.errors import ConfigError, RunError
 from miles.models.hf import load_model
-from miles.engine.launchers import MilesServerLauncher, SubprocessLauncher, is_server_launcher
+from miles.engine.launchers import MilesServerLauncher, SubprocessLauncher
+from miles.hookspecs import is_server_launcher
 from miles.rollout.plane import RolloutPlane
 from miles.engine.router import Router
 from miles.run.runner import prepare

@@ -1,0 +1,16 @@
+"""What a rollout-engine plugin needs from Miles, in one place (``from miles.engine import api``).
+
+A server-launcher plugin (``miles-sglang``, your own; the contract is ``miles_register_rollout_engines`` in
+:mod:`miles.hookspecs`) imports only this module, ``miles`` and ``miles.testing``:
+
+- :class:`SubprocessLauncher`: the base of a launcher whose server is a command run in a process group of its
+  own (start, wait until it answers, stop, a log to report);
+- :func:`is_server_launcher`: whether a registered rollout engine is a server launcher;
+- errors: :class:`ConfigError` (bad engine arguments, exit code 2), :class:`RunError` (a server that failed).
+"""
+
+from miles.engine.launchers import SubprocessLauncher
+from miles.errors import ConfigError, RunError
+from miles.hookspecs import is_server_launcher
+
+__all__ = ["ConfigError", "RunError", "SubprocessLauncher", "is_server_launcher"]

@@ -51,7 +51,8 @@ def main() -> None:
                 for target in TARGETS:
                     reached = first_reach(rewards, times, target)
                     cells.append(f"{reached[0]}, {reached[1]:.1f} s" if reached else "not reached")
-                cells += [f"{fmean(rewards[-10:]):.3f}", str(sum(r["samples/total"] for r in rows)), f"{sum(times):.1f} s"]
+                cells += [f"{fmean(rewards[-10:]):.3f}", str(sum(r["samples/total"] for r in rows)),
+                          f"{sum(times):.1f} s"]
                 print(" | ".join(cells), flush=True)
 
 

@@ -108,8 +108,9 @@ def main() -> None:
             common = [f"model.path={sft / 'sft_model'}", "sft.steps=0", "run.eval_size=0", f"run.steps={steps}"]
             print(f"\n{workload}: {steps} RL steps from {config}'s SFT checkpoint; times in ms per step (mean "
                   f"after 2 warm-up steps); busy: each core's share while the RL steps ran")
-            print(f"{'variant':<26} {'samples/s':>9} {'vs base':>7} {'step':>7} {'rollout':>7} {'train':>7} {'push':>6} "
-                  f"{'busy':>10} {'stale':>6} {'max':>4} {'drop':>5} {'to reward 0.7':>18} {'last10':>6}")
+            print(f"{'variant':<26} {'samples/s':>9} {'vs base':>7} {'step':>7} {'rollout':>7} {'train':>7} "
+                  f"{'push':>6} {'busy':>10} {'stale':>6} {'max':>4} {'drop':>5} {'to reward 0.7':>18} "
+                  f"{'last10':>6}")
             base = None
             for name in args.variants:
                 # short run dirs: Ray's sockets live under them, and a socket path has at most 107 bytes

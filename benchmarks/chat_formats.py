@@ -33,7 +33,8 @@ def per_turn_ms(bound, repeats: int) -> float:
             conversation = Conversation(bound, messages[:first], TOOLS)
             k = first
             while k < len(messages):
-                nxt = next((i for i in range(k + 1, len(messages)) if messages[i]["role"] == "assistant"), len(messages))
+                nxt = next((i for i in range(k + 1, len(messages)) if messages[i]["role"] == "assistant"),
+                           len(messages))
                 generated = conversation.encode(str(messages[k].get("content") or "x"))
                 start = time.perf_counter()
                 read_turn(bound, generated, TOOLS)

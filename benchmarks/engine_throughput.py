@@ -25,7 +25,8 @@ from miles.testing import build_tiny_model
 
 def workload(n: int, max_len: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(3, 15) for _ in range(rng.randrange(4, 12))], rng.choice([rng.randrange(4, 20), rng.randrange(20, max_len)]))
+    return [([rng.randrange(3, 15) for _ in range(rng.randrange(4, 12))],
+             rng.choice([rng.randrange(4, 20), rng.randrange(20, max_len)]))
             for _ in range(n)]
 
 
@@ -75,8 +76,9 @@ def main() -> None:
         useful = sum(n for _, n in requests)
         hf_s = hf_static(model_dir, requests, args.batch)
         miles_s = miles_engine(model_dir, requests, args.batch)
-    print(f"model: Qwen3 hidden {args.hidden}, {args.layers} layers ({params / 1e6:.2f}M params); {args.requests} requests, "
-          f"new tokens {min(n for _, n in requests)}-{max(n for _, n in requests)} ({useful} in all), batch {args.batch}")
+    print(f"model: Qwen3 hidden {args.hidden}, {args.layers} layers ({params / 1e6:.2f}M params); "
+          f"{args.requests} requests, new tokens {min(n for _, n in requests)}-{max(n for _, n in requests)} "
+          f"({useful} in all), batch {args.batch}")
     print(f"  transformers generate, static batches : {hf_s:7.2f} s  {useful / hf_s:8.0f} tokens/s")
     print(f"  miles engine, continuous batching     : {miles_s:7.2f} s  {useful / miles_s:8.0f} tokens/s")
     print(f"  speed-up                              : {hf_s / miles_s:7.2f}x")

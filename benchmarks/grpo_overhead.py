@@ -46,7 +46,8 @@ def bare_grpo(model_dir: Path, train_file: Path, steps: int, seed: int) -> tuple
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache, out, done = DynamicCache(), [], torch.zeros(len(prompts), dtype=torch.bool)
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                           use_cache=True).logits[:, -1]
             for _ in range(max_new):
                 nxt = torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(1)
                 nxt = torch.where(done, pad, nxt)
@@ -56,7 +57,8 @@ def bare_grpo(model_dir: Path, train_file: Path, steps: int, seed: int) -> tuple
                     break
                 mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.long)], 1)
                 pos = pos[:, -1:] + 1
-                logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
+                logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, cache=cache,
+                               use_cache=True).logits[:, -1]
         gen_ids = torch.stack(out, 1).tolist()
         responses = []
         for row in gen_ids:
@@ -67,7 +69,7 @@ def bare_grpo(model_dir: Path, train_file: Path, steps: int, seed: int) -> tuple
                     break
             responses.append(resp)
         texts = tok.batch_decode(responses, skip_special_tokens=True)
-        rewards = torch.tensor([float(t.strip() == l) for t, l in zip(texts, labels)])
+        rewards = torch.tensor([float(t.strip() == label) for t, label in zip(texts, labels)])
         rewards_per_step.append(rewards.mean().item())
         grouped = rewards.view(n_prompts, n_samples)
         adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)

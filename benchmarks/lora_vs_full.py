@@ -22,7 +22,8 @@ WINDOW = 10
 
 def miles(*args: str) -> None:
     done = subprocess.run([sys.executable, "-m", "miles", *args, "run.progress=false", "run.overwrite=true"],
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                          text=True)
     if done.returncode:
         sys.exit(f"miles {' '.join(args)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
 

@@ -112,7 +112,8 @@ def main() -> None:
                 else:
                     made, seconds = run_single(engine, args, lengths)
                 stats = engine.stats()
-                results[kind] = (made, seconds, 1 - stats["prefill_tokens_computed"] / max(1, stats["prefill_tokens_requested"]))
+                results[kind] = (made, seconds,
+                                 1 - stats["prefill_tokens_computed"] / max(1, stats["prefill_tokens_requested"]))
             base = results["single_turn"][0] / results["single_turn"][1]
             for kind in ("single_turn", "multi_turn"):
                 made, seconds, hit = results[kind]

@@ -26,7 +26,8 @@ WINDOW, TARGET = 20, 0.7
 def miles(*args: str) -> float:
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "miles", *args, "run.progress=false", "run.overwrite=true"],
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                          text=True)
     if done.returncode:
         sys.exit(f"miles {' '.join(args)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return time.perf_counter() - start

@@ -71,13 +71,14 @@ def main() -> None:
 
     print(f"\nReTool recipe ({len(steps)} GRPO steps; first and last {k} steps averaged)")
     print("  time per phase: " + ", ".join(f"{name} {s:.1f} s" for name, s in summary["time_s"].items()))
-    for key in ("reward/mean", "tools/calls", "tools/success_rate", "turns/mean", "tools/parse_errors", "sandbox/exec_s_p50",
-                "rollout/prefix_hit_frac", "time/step_s"):
+    for key in ("reward/mean", "tools/calls", "tools/success_rate", "turns/mean", "tools/parse_errors",
+                "sandbox/exec_s_p50", "rollout/prefix_hit_frac", "time/step_s"):
         print(f"  {key:<24} {first_last(key)}")
     for with_tool in (True, False):
         result = held_out(run_dir, p.config, with_tool)
         print(f"  held-out greedy accuracy {'with the tool   ' if with_tool else 'without the tool'}: "
-              f"{result['eval/accuracy']:.3f} ({len(read_rows(run_dir / 'data' / 'eval.jsonl', 'prompt', None))} prompts)")
+              f"{result['eval/accuracy']:.3f} "
+              f"({len(read_rows(run_dir / 'data' / 'eval.jsonl', 'prompt', None))} prompts)")
 
 
 if __name__ == "__main__":

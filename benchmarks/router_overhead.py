@@ -32,7 +32,8 @@ def free_port() -> int:
 
 
 def start(args: list[str], port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "miles", *args, "--port", str(port)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+    proc = subprocess.Popen([sys.executable, "-m", "miles", *args, "--port", str(port)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc
 

@@ -62,7 +62,7 @@ def trl_grpo(model_dir: Path, train_file: Path, out_dir: Path, steps: int, seed:
             self.times.append(time.perf_counter() - self.start)
 
     def exact_match(completions: list[str], label: list[str], **kwargs) -> list[float]:
-        return [float(c.strip() == str(l).strip()) for c, l in zip(completions, label)]
+        return [float(c.strip() == str(target).strip()) for c, target in zip(completions, label)]
 
     config = GRPOConfig(
         output_dir=str(out_dir), max_steps=steps, seed=seed, use_cpu=True, bf16=False, fp16=False,

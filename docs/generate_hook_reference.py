@@ -27,7 +27,8 @@ def capabilities(source: str, start: int, end: int) -> list[str]:
         if not (isinstance(obj, type) and start < at < end):
             continue
         members = [m for m in obj.__dict__.get("__annotations__", {})]
-        members += [m for m, v in obj.__dict__.items() if not m.startswith("_") and (callable(v) or isinstance(v, property))]
+        members += [m for m, v in obj.__dict__.items()
+                    if not m.startswith("_") and (callable(v) or isinstance(v, property))]
         lines += [f"- **`{name}`** (`{'`, `'.join(members)}`): {' '.join(inspect.cleandoc(obj.__doc__ or '').split())}"]
     return lines + [""] if lines else []
 

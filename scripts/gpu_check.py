@@ -199,11 +199,12 @@ def check_megatron_conformance(dry: bool, tmp: Path) -> dict:
     env = {**os.environ, "MILES_TEST_DEVICE": _device(dry)}
     # The dry run takes one check of the suite (the plugin's own tests run all of them on CPU).
     select = "Conformance and test_step_metrics_include_the_required_figures" if dry else "Conformance"
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(plugin / "tests"),
-                             "-k", select], capture_output=True, text=True, env=env, cwd=ROOT)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                             str(plugin / "tests"), "-k", select], capture_output=True, text=True, env=env, cwd=ROOT)
     summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
     if result.returncode != 0:
-        raise RuntimeError(f"pytest exit {result.returncode}: {summary}\n{result.stdout[-2000:]}{result.stderr[-1000:]}")
+        raise RuntimeError(f"pytest exit {result.returncode}: {summary}\n"
+                           f"{result.stdout[-2000:]}{result.stderr[-1000:]}")
     return {"pytest": summary}
 
 
@@ -273,7 +274,8 @@ def run_all(dry: bool, only: list[str]) -> dict:
         except subprocess.TimeoutExpired as exc:
             tail = (exc.stderr or b"")[-1500:]
             summary["checks"][name] = {"status": "timeout", "budget_s": budget,
-                                       "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+                                       "stderr_tail": (tail.decode(errors="replace") if isinstance(tail, bytes)
+                                                       else tail)}
             continue
         last = (done.stdout.strip().splitlines() or [""])[-1]
         try:

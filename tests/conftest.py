@@ -16,7 +16,8 @@ pytest_plugins = ["miles.testing"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_miles(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_miles(*args: str, cwd: Path | None = None, env: dict | None = None,
+              timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the ``miles`` command line in a fresh process, as a user would."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(

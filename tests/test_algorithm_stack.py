@@ -89,7 +89,8 @@ def test_a_custom_loss_plugin_receives_new_and_old_logprobs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"])
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo",
+                                       "ppo"])
 def test_every_estimator_trains_the_quickstart(estimator, tmp_path):
     summary = train(prepare(CONFIG, [f"run.dir={tmp_path}", "run.progress=false", f"advantage.name={estimator}",
                                      "run.eval_size=0"]))

@@ -120,7 +120,8 @@ def test_batch_whitening_over_masked_tokens():
     out = batch_whiten(advantages, mask)  # tokens 1, 1, 3: mean 5/3, population std sqrt(8/9)
     std = math.sqrt(8 / 9)
     assert close(out, [[0.0, -2 / 3 / std, -2 / 3 / std], [0.0, 4 / 3 / std, 0.0]])
-    assert grpo(batch_of([1.0, 0.0, 3.0, 1.0], [0, 0, 1, 1]), whiten=True)[:, 1:].std(unbiased=False) == pytest.approx(1.0)
+    assert (grpo(batch_of([1.0, 0.0, 3.0, 1.0], [0, 0, 1, 1]), whiten=True)[:, 1:].std(unbiased=False)
+            == pytest.approx(1.0))
 
 
 def test_reinforce_pp_returns_carry_the_token_kl_penalty():

@@ -89,12 +89,14 @@ def test_detection_picks_the_family_by_its_template_and_refuses_an_ambiguous_voc
     assert detect(FORMATS, qwen)[0].name == "chatml"
     deepseek = build_bpe_tokenizer("deepseek")
     deepseek.chat_template = None
-    with pytest.raises(ValueError, match=r"several chat formats \(.*deepseek_r1.*deepseek_v3.*\).*set model.chat_format"):
+    with pytest.raises(ValueError,
+                       match=r"several chat formats \(.*deepseek_r1.*deepseek_v3.*\).*set model.chat_format"):
         resolve(FORMATS, "auto", deepseek)
     from miles.models.hf import build_char_tokenizer
 
-    assert resolve(FORMATS, "auto", build_char_tokenizer("abc")) == (None, "chat format: none detected (single-turn "
-                                                                        "prompts use the tokenizer's chat template, if any)")
+    assert resolve(FORMATS, "auto", build_char_tokenizer("abc")) == (
+        None, "chat format: none detected (single-turn "
+              "prompts use the tokenizer's chat template, if any)")
 
 
 def test_a_format_needs_its_tokens_as_single_tokens():
@@ -297,7 +299,8 @@ def test_the_guide_s_chat_format_plugin_registers_and_renders(chat_model_dir):
     exec(code, module.__dict__)
     registry = make_registry(module)
     fmt = registry.get("chat_format", "chatml_python").obj
-    bound = bind(fmt, load_tokenizer(chat_model_dir), build_parser=lambda kind, n: registry.build(kind, {"name": n}, kind))
+    bound = bind(fmt, load_tokenizer(chat_model_dir),
+                 build_parser=lambda kind, n: registry.build(kind, {"name": n}, kind))
     conversation = Conversation(bound, [{"role": "user", "content": "2+2?"}])
     assert bound.tokenizer.decode(conversation.prompt_ids).endswith("<|im_start|>assistant\n")
     assert [c.arguments for c in bound.tool_parser.parse("```python\nprint(4)\n```")] == [{"code": "print(4)\n"}]
@@ -313,7 +316,8 @@ def test_the_session_server_reads_calls_written_in_special_tokens_through_the_op
 
     fmt = _bound("deepseek_v3")
     tokenizer = fmt.tokenizer
-    call = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n"
+    call = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+            "```json\n{\"city\": \"Paris\"}\n"
             "```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
     engine = Turns(tokenizer, [call], eot="<｜end▁of▁sentence｜>")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {

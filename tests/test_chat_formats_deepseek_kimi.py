@@ -135,8 +135,10 @@ def test_deepseek_v3_turns_are_the_documented_ones(bound):
     text = Conversation(fmt, messages[:1]).render(messages, generation_prompt=False)
     assert text.endswith(
         "<｜User｜>What is the weather in Paris?<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"
-        "<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function"
-        "<｜tool▁sep｜>get_time\n```json\n{\"tz\": \"Europe/Paris\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>" + EOS +
+        "<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n"
+        "<｜tool▁call▁begin｜>function"
+        "<｜tool▁sep｜>get_time\n```json\n{\"tz\": \"Europe/Paris\"}\n```<｜tool▁call▁end｜>"
+        "<｜tool▁calls▁end｜>" + EOS +
         "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>\n<｜tool▁output▁begin｜>12:00"
         "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>Sunny, and it is noon." + EOS)
 
@@ -151,14 +153,16 @@ def test_kimi_results_name_their_call_even_without_a_tool_call_id(bound):
                          "<|im_assistant|>assistant<|im_middle|>")
 
 
-V3_CALL = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>"
+V3_CALL = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```"
+           "<｜tool▁call▁end｜>")
 V31_CALL = "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜>"
 KIMI_CALL = ("<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}"
              "<|tool_call_end|>")
 
 
 @pytest.mark.parametrize("parser, text, error", [
-    ("deepseek_v3", "<｜tool▁calls▁begin｜>" + V3_CALL, "the tool-call section is not closed with <｜tool▁calls▁end｜>"),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜>" + V3_CALL,
+     "the tool-call section is not closed with <｜tool▁calls▁end｜>"),
     ("deepseek_v3", "<｜tool▁calls▁begin｜>" + V3_CALL[:-len("<｜tool▁call▁end｜>")],
      "the tool call is not closed with <｜tool▁call▁end｜>"),
     ("deepseek_v3", "<｜tool▁calls▁begin｜>" + V3_CALL.replace('"Paris"}', '"Paris"') + "<｜tool▁calls▁end｜>",
@@ -169,7 +173,8 @@ KIMI_CALL = ("<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_beg
      "the tool call has no <｜tool▁sep｜>"),
     ("deepseek_v3", V3_CALL + "<｜tool▁calls▁end｜>", "the tool calls are not opened with <｜tool▁calls▁begin｜>"),
     ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>", "the tool-call section holds no call"),
-    ("deepseek_v31", "<｜tool▁calls▁begin｜>" + V31_CALL, "the tool-call section is not closed with <｜tool▁calls▁end｜>"),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜>" + V31_CALL,
+     "the tool-call section is not closed with <｜tool▁calls▁end｜>"),
     ("deepseek_v31", "<｜tool▁calls▁begin｜>" + V31_CALL.replace("}", "") + "<｜tool▁calls▁end｜>",
      "the arguments of get_weather are not valid JSON"),
     ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>[1]<｜tool▁call▁end｜>"

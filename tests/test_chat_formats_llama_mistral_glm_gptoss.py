@@ -142,8 +142,10 @@ def test_llama_malformed_calls_name_the_problem():
 
 def test_llama_parser_reads_python_tag_semicolons_and_content():
     parser = llama.Llama3JsonParser()
-    text = 'Let me check.\n<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": "{\\"y\\": 2}"}'
-    assert [(c.name, c.arguments, c.error) for c in parser.parse(text)] == [("a", {"x": 1}, None), ("b", {"y": 2}, None)]
+    text = ('Let me check.\n<|python_tag|>{"name": "a", "parameters": {"x": 1}}; '
+            '{"name": "b", "arguments": "{\\"y\\": 2}"}')
+    assert ([(c.name, c.arguments, c.error) for c in parser.parse(text)]
+            == [("a", {"x": 1}, None), ("b", {"y": 2}, None)])
     assert parser.content(text) == "Let me check."
     assert parser.parse("It is sunny in Paris.") == [] and parser.content(" It is sunny. ") == "It is sunny."
 
@@ -226,7 +228,8 @@ def test_glm_boundary_after_a_next_role_token_does_not_repeat_it(bound):
     conversation.add_policy_turn(call, turn[-1])
     suffix = conversation.extend([{"role": "tool", "content": "sunny"}])
     assert observation not in suffix
-    assert tokenizer.decode(suffix, skip_special_tokens=False) == "\n<tool_response>\nsunny\n</tool_response><|assistant|>"
+    assert (tokenizer.decode(suffix, skip_special_tokens=False)
+            == "\n<tool_response>\nsunny\n</tool_response><|assistant|>")
     ids += suffix
     answer = {"role": "assistant", "content": "It is sunny.", "reasoning_content": "Done."}
     turn = conversation.encode(_generated(b, list(conversation.messages), answer) + "<|user|>")

@@ -37,7 +37,8 @@ def test_turn_tokens_equal_one_rendering_of_the_whole_conversation(tokenizer, to
         {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 4, "b": 5}}}]}
     tokens += _policy_turn(tokenizer, conversation, call)
     conversation.add_policy_turn(call)
-    results = [{"role": "tool", "tool_call_id": "c0", "content": "5"}, {"role": "tool", "tool_call_id": "c1", "content": "9"}]
+    results = [{"role": "tool", "tool_call_id": "c0", "content": "5"},
+               {"role": "tool", "tool_call_id": "c1", "content": "9"}]
     observation = conversation.extend(results)
     tokens += observation
     answer = {"role": "assistant", "content": "5 and 9"}

@@ -24,13 +24,14 @@ def rows_file(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["reward.name=exact_mtch"], "unknown reward 'exact_mtch' (at reward.name). Registered rewards: code_tests, env, "
-                                       "exact_match, f1, format, math, multiple_choice"),
+        (["reward.name=exact_mtch"], "unknown reward 'exact_mtch' (at reward.name). Registered rewards: "
+                                     "code_tests, env, exact_match, f1, format, math, multiple_choice"),
         (["backend.name=fsdp3"], "unknown backend 'fsdp3' (at backend.name). Registered backends: "),
         (["rollout.n_smaples=2"], "unknown config key 'rollout.n_smaples'"),
         (["run.steps=ten"], "config key 'run.steps' (in overrides) expects int, got 'ten'"),
         (["loss.clip=0.3"], "loss.clip: loss 'ppo_clip' takes no argument 'clip'"),
-        (["data.generator=null", "data.train_path=/nonexistent/train.jsonl"], "data file '/nonexistent/train.jsonl' does not exist"),
+        (["data.generator=null", "data.train_path=/nonexistent/train.jsonl"],
+         "data file '/nonexistent/train.jsonl' does not exist"),
         (["reward.name=no_such_module:fn"], "cannot import reward 'no_such_module:fn'"),
         (["reward.timeout_s=-1"], "reward.timeout_s: expected a number of seconds > 0, or 0 for no limit, got -1"),
         (["loss.agg=sum"], "loss: loss 'ppo_clip' rejected its arguments: agg='sum' is not an aggregation"),
@@ -73,7 +74,8 @@ def test_a_diverged_run_stops_with_a_clear_error_naming_the_tensors(capsys, tmp_
         "def nan_loss(inputs):\n"
         "    return (inputs.logprobs * inputs.loss_mask).sum() * float('nan'), {}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    code, err = run_main(capsys, f"run.dir={tmp_path / 'run'}", "loss.name=nan_loss:nan_loss", "backend.max_grad_norm=0")
+    code, err = run_main(capsys, f"run.dir={tmp_path / 'run'}", "loss.name=nan_loss:nan_loss",
+                         "backend.max_grad_norm=0")
     assert code == 1, err
     assert "step 0: the engines refused the new weights (version 1); they keep serving version 0" in err
     assert "NaN or inf" in err and "model.embed_tokens.weight" in err

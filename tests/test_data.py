@@ -46,7 +46,8 @@ def test_shuffled_order_covers_each_epoch_and_is_seeded(tmp_path, tokenizer):
 
 
 def test_chat_template_applied_when_the_tokenizer_has_one(tokenizer):
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}{% if add_generation_prompt %}+{% endif %}"
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}={% endfor %}"
+                               "{% if add_generation_prompt %}+{% endif %}")
     rows = [{"prompt": "12", "label": "3"}]
     with_template = PromptSource(rows, tokenizer, prompt_key="prompt", label_key="label", chat_template="auto",
                                  shuffle=False, seed=0)
@@ -76,7 +77,8 @@ def test_tool_arithmetic_writes_tool_traces_and_some_direct_answers():
     assert len(rows) == 400 and not {r["prompt"] for r in splits["train"]} & {r["prompt"] for r in splits["eval"]}
     for row in rows:
         a, b = row["prompt"].rstrip("=").split("*")
-        assert row["label"] == str(int(a) * int(b)) and row["messages"][-1] == {"role": "assistant", "content": row["label"]}
+        assert (row["label"] == str(int(a) * int(b))
+                and row["messages"][-1] == {"role": "assistant", "content": row["label"]})
     with_tool = [r for r in rows if len(r["messages"]) == 3]
     assert 150 < len(with_tool) < 250
     assert with_tool[0]["messages"][:2] == [

@@ -251,8 +251,9 @@ def test_breakpoint_in_a_reward_stops_in_pdb_with_local_mode(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONBREAKPOINT"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
     result = subprocess.run(  # pdb reads its commands from stdin
-        [sys.executable, "-m", "miles", "train", "configs/quickstart.yaml", f"run.dir={tmp_path / 'run'}", "run.steps=1",
-         *QUICK, "cluster.local_mode=true", "rollout.engine.num_engines=1", "reward.name=bp_reward:reward"],
+        [sys.executable, "-m", "miles", "train", "configs/quickstart.yaml", f"run.dir={tmp_path / 'run'}",
+         "run.steps=1", *QUICK, "cluster.local_mode=true", "rollout.engine.num_engines=1",
+         "reward.name=bp_reward:reward"],
         input="p 1+1\nc\n", capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"},
         cwd=Path(__file__).resolve().parent.parent)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -72,7 +72,8 @@ def test_advantages_are_the_negative_reverse_kl_on_loss_tokens_plus_the_weighted
         advantages=torch.tensor([[3.0, 3.0, 3.0], [-1.0, -1.0, -1.0]]))
     teacher = torch.tensor([[0.0, -0.25, -4.0], [0.0, -2.5, 0.0]])
     advantages, metrics = distill_advantages(batch, teacher, kl_coef=2.0, reward_coef=0.5)
-    expected = torch.tensor([[0.0, 2 * (-0.25 + 1.0) + 1.5, 2 * (-4.0 + 2.0) + 1.5], [0.0, 2 * (-2.5 + 0.5) - 0.5, 0.0]])
+    expected = torch.tensor([[0.0, 2 * (-0.25 + 1.0) + 1.5, 2 * (-4.0 + 2.0) + 1.5],
+                             [0.0, 2 * (-2.5 + 0.5) - 0.5, 0.0]])
     assert torch.allclose(advantages, expected)
     assert metrics["distill/reverse_kl"] == pytest.approx(((-1.0 + 0.25) + (-2.0 + 4.0) + (-0.5 + 2.5)) / 3)
     assert metrics["distill/teacher_logprob_mean"] == pytest.approx((-0.25 - 4.0 - 2.5) / 3)

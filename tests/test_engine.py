@@ -68,7 +68,8 @@ def test_concurrent_requests_are_batched_and_independent(engine):
 def test_stop_tokens_and_eos(engine):
     greedy = generate_many(engine, [[4, 13, 5, 14]], {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})[0]
     first = greedy["output_ids"][0]
-    stopped = generate_many(engine, [[4, 13, 5, 14]], {"max_new_tokens": 8, "temperature": 0.0, "stop_token_ids": [first]})[0]
+    stopped = generate_many(engine, [[4, 13, 5, 14]], {"max_new_tokens": 8, "temperature": 0.0,
+                                                        "stop_token_ids": [first]})[0]
     assert stopped["output_ids"] == [first]  # the matched stop token is part of the output
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
 
@@ -140,7 +141,8 @@ def test_continuous_batching_short_request_overtakes_a_long_one(engine, tiny_mod
 
 def test_abort_returns_what_was_generated(engine):
     async def go():
-        task = asyncio.ensure_future(engine.generate([4, 13, 5, 14], {"max_new_tokens": 120, "ignore_eos": True}, rid="r1"))
+        task = asyncio.ensure_future(engine.generate([4, 13, 5, 14], {"max_new_tokens": 120, "ignore_eos": True},
+                                                     rid="r1"))
         start = engine.batcher.stats["decode_steps"]
         while engine.batcher.stats["decode_steps"] < start + 5:
             await asyncio.sleep(0.001)

@@ -120,11 +120,13 @@ def reference_logprobs(model, prompt, output_ids):
 
 def test_generate_single_and_batch(server):
     params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
-    status, single = call(server, "/generate", {"input_ids": [4, 13, 5, 14], "sampling_params": params, "return_logprob": True})
+    status, single = call(server, "/generate",
+                          {"input_ids": [4, 13, 5, 14], "sampling_params": params, "return_logprob": True})
     assert status == 200
     assert len(single["output_ids"]) == 3 and single["meta_info"]["completion_tokens"] == 3
     assert [t for _, t, _ in single["meta_info"]["output_token_logprobs"]] == single["output_ids"]
-    status, batch = call(server, "/generate", {"input_ids": [[4, 13, 5, 14], [7, 13, 2, 14]], "sampling_params": params})
+    status, batch = call(server, "/generate",
+                         {"input_ids": [[4, 13, 5, 14], [7, 13, 2, 14]], "sampling_params": params})
     assert status == 200 and len(batch) == 2
     assert batch[0]["output_ids"] == single["output_ids"]
     assert "output_token_logprobs" not in batch[0]["meta_info"]  # return_logprob defaults to false
@@ -152,7 +154,8 @@ def test_logprobs_match_transformers(server, tiny_model_dir):
         ({"input_ids": [4] * 200}, "does not fit the context"),
         ({"input_ids": [4], "prompt": "x"}, "unknown field(s) 'prompt'"),
         ({"input_ids": [4], "stream": True}, "stream: the embedded engine cannot honour true"),
-        ({"input_ids": [4], "return_hidden_states": True}, "return_hidden_states: the embedded engine cannot honour true"),
+        ({"input_ids": [4], "return_hidden_states": True},
+         "return_hidden_states: the embedded engine cannot honour true"),
         ({"input_ids": [4], "lora_path": "adapter"}, "lora_path: the embedded engine cannot honour \"adapter\""),
         ({"input_ids": [4], "token_ids_logprob": [3]}, "token_ids_logprob"),
         ({"input_ids": [4, 5], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len: expected -1"),
@@ -180,11 +183,13 @@ def test_admin_endpoints(server):
 
 def test_update_weights_from_disk(server, tmp_path):
     params = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-    _, before = call(server, "/generate", {"input_ids": [4, 13, 5, 14], "sampling_params": params, "return_logprob": True})
+    _, before = call(server, "/generate",
+                     {"input_ids": [4, 13, 5, 14], "sampling_params": params, "return_logprob": True})
     other = build_tiny_model(tmp_path / "other", seed=123)
     status, result = call(server, "/update_weights_from_disk", {"model_path": str(other)})
     assert status == 200 and result["weight_version"] == before["meta_info"]["weight_version"] + 1
-    _, after = call(server, "/generate", {"input_ids": [4, 13, 5, 14], "sampling_params": params, "return_logprob": True})
+    _, after = call(server, "/generate",
+                    {"input_ids": [4, 13, 5, 14], "sampling_params": params, "return_logprob": True})
     assert after["meta_info"]["weight_version"] == result["weight_version"]
     assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
     status, error = call(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
@@ -194,8 +199,8 @@ def test_update_weights_from_disk(server, tmp_path):
 def test_health_answers_while_a_generation_is_pending(server):
     assert call(server, "/pause_generation", {})[1]["success"]
     try:
-        thread, out = in_background(server, "/generate", {"input_ids": [4, 13, 5, 14],
-                                                          "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}})
+        thread, out = in_background(server, "/generate", {
+            "input_ids": [4, 13, 5, 14], "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}})
         wait_for(lambda: engine_stats(server)["waiting_requests"] == 1, "the request to wait in the engine")
         assert call(server, "/health")[0] == 200
         assert thread.is_alive()  # paused: nothing is generated, the request is still pending
@@ -214,7 +219,8 @@ def test_update_weights_from_tensor(server, tmp_path):
     status, result = call(server, "/update_weights_from_tensor",
                           {"serialized_named_tensors": encode_named_tensors(model.state_dict())})
     assert status == 200
-    _, answer = call(server, "/generate", {"input_ids": [3, 13, 9, 14], "sampling_params": params, "return_logprob": True})
+    _, answer = call(server, "/generate",
+                     {"input_ids": [3, 13, 9, 14], "sampling_params": params, "return_logprob": True})
     assert answer["meta_info"]["weight_version"] == result["weight_version"]
     ids = torch.tensor([[3, 13, 9, 14] + answer["output_ids"]])
     with torch.no_grad():
@@ -262,12 +268,14 @@ def test_a_weight_update_names_every_offending_tensor_and_applies_nothing(server
 
     many = {**{k: v.clone() for k, v in state.items()}, **{f"extra.{i}": torch.zeros(1) for i in range(60)}}
     many[names[2]] = torch.zeros(3, 3)
-    status, error = call(server, "/update_weights_from_tensor", {"serialized_named_tensors": encode_named_tensors(many)})
+    status, error = call(server, "/update_weights_from_tensor",
+                         {"serialized_named_tensors": encode_named_tensors(many)})
     assert status == 400 and "60 unexpected" in error["error"] and "... and 10 more" in error["error"]
     assert f"{names[2]} (got (3, 3)" in error["error"]  # never left out of a long message
 
     half = {k: v.to(torch.bfloat16) for k, v in state.items()}  # float into float, any precision: accepted
-    assert call(server, "/update_weights_from_tensor", {"serialized_named_tensors": encode_named_tensors(half)})[0] == 200
+    assert call(server, "/update_weights_from_tensor",
+                {"serialized_named_tensors": encode_named_tensors(half)})[0] == 200
 
 
 def test_non_finite_weights_only_when_allowed_and_answers_stay_strict_json(server, tiny_model_dir):
@@ -320,7 +328,8 @@ def test_update_weights_from_distributed(server, tmp_path):
     status, result = sent["answer"]
     assert status == 200
     _, answer = call(server, "/generate", {"input_ids": [5, 13, 2, 14], "return_logprob": True,
-                                           "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}})
+                                           "sampling_params": {"max_new_tokens": 2, "temperature": 0.0,
+                                                               "ignore_eos": True}})
     ids = torch.tensor([[5, 13, 2, 14] + answer["output_ids"]])
     with torch.no_grad():
         expected = torch.log_softmax(model(ids).logits[0, 3:-1], -1).gather(1, ids[0, 4:, None]).squeeze(1)
@@ -332,7 +341,8 @@ def test_pause_holds_requests_and_abort_answers_them(server):
     assert call(server, "/pause_generation", {})[1]["success"]
     try:
         thread, out = in_background(server, "/generate", {
-            "input_ids": [4, 13, 5, 14], "rid": "held-1", "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}})
+            "input_ids": [4, 13, 5, 14], "rid": "held-1",
+            "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}})
         wait_for(lambda: engine_stats(server)["waiting_requests"] == 1, "the request to wait in the engine")
         assert thread.is_alive()  # paused: nothing is generated
         assert call(server, "/abort_request", {"rid": "held-1"}) == (200, {"success": True, "aborted": 1})
@@ -347,22 +357,24 @@ def test_pause_holds_requests_and_abort_answers_them(server):
 
 @pytest.mark.parametrize("how", ["env", "flag"])
 def test_admin_token_guards_admin_endpoints_on_loopback_too(tiny_model_dir, miles_cli, tmp_path, how):
-    args, env = (["--admin-token", "s3cret"], {"MILES_ADMIN_TOKEN": ""}) if how == "flag" else ([], {"MILES_ADMIN_TOKEN": "s3cret"})
+    args, env = ((["--admin-token", "s3cret"], {"MILES_ADMIN_TOKEN": ""}) if how == "flag"
+                 else ([], {"MILES_ADMIN_TOKEN": "s3cret"}))
     proc, base = start_engine(tiny_model_dir, tmp_path / "engine.log", *args, env=env)
     try:
         status, error = call(base, "/pause_generation", {})
         assert status == 401 and "Authorization: Bearer" in error["error"]
         assert call(base, "/pause_generation", {}, headers={"Authorization": "Bearer wrong"})[0] == 401
         assert call(base, "/update_weights_from_disk", {"model_path": str(tiny_model_dir)})[0] == 401
-        assert call(base, "/pause_generation", {}, headers={"Authorization": "Bearer s3cret"}) == (200, {"success": True})
+        assert (call(base, "/pause_generation", {}, headers={"Authorization": "Bearer s3cret"})
+                == (200, {"success": True}))
         assert call(base, "/continue_generation", {}, headers={"Authorization": "Bearer s3cret"})[0] == 200
         assert call(base, "/generate", {"input_ids": [4], "sampling_params": {"max_new_tokens": 1}})[0] == 200
         assert call(base, "/health")[0] == 200  # generation and information need no token
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    refused = miles_cli("engine", "serve", "--model", str(tiny_model_dir), "--host", "0.0.0.0", "--port", str(free_port()),
-                        env={"MILES_ADMIN_TOKEN": ""})
+    refused = miles_cli("engine", "serve", "--model", str(tiny_model_dir), "--host", "0.0.0.0",
+                        "--port", str(free_port()), env={"MILES_ADMIN_TOKEN": ""})
     assert refused.returncode == 2 and "needs an admin token" in refused.stderr
 
 
@@ -396,7 +408,8 @@ def test_weight_transports_reach_a_real_engine(server, tmp_path, transport_name)
         plane.close()
     prompt = [5, 13, 2, 14]
     _, answer = call(server, "/generate", {"input_ids": prompt, "return_logprob": True,
-                                           "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}})
+                                           "sampling_params": {"max_new_tokens": 3, "temperature": 0.0,
+                                                               "ignore_eos": True}})
     ids = torch.tensor([prompt + answer["output_ids"]])
     with torch.no_grad():
         expected = torch.log_softmax(backend.model(ids).logits[0, 3:-1], -1).gather(1, ids[0, 4:, None]).squeeze(1)
@@ -419,7 +432,8 @@ def test_cross_site_requests_are_refused(server):
     assert status == 415 and "expected application/json" in error["error"] and "text/plain" in error["error"]
     status, error = call(server, "/update_weights_from_tensor", data=b"x", headers={"Content-Type": "text/plain"})
     assert status == 415 and "application/json or application/octet-stream" in error["error"]
-    status, error = call(server, "/abort_request", data=b"", headers={"Content-Type": "application/x-www-form-urlencoded"})
+    status, error = call(server, "/abort_request", data=b"",
+                         headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert status == 415
     # DNS rebinding: the page's own name in Host
     status, error = call(server, "/pause_generation", {}, headers={"Host": f"evil.example:{port}"})
@@ -429,7 +443,8 @@ def test_cross_site_requests_are_refused(server):
     for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
         assert call(server, "/health", headers={"Host": host, "Origin": f"http://{host}"})[0] == 200
     with socket.create_connection(("127.0.0.1", int(port))) as s:  # exactly what SGLang's router sends
-        s.sendall(f"POST /flush_cache HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept: */*\r\nConnection: close\r\n\r\n".encode())
+        s.sendall((f"POST /flush_cache HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                   f"Accept: */*\r\nConnection: close\r\n\r\n").encode())
         assert recv_all(s).startswith(b"HTTP/1.1 200")
 
 
@@ -449,7 +464,8 @@ def test_miles_own_client_passes_the_checks(server):
 
 def test_request_bodies_have_a_size_limit_per_endpoint(server):
     status, error = call(server, "/generate", data=b" " * (MIB + 1))
-    assert status == 413 and "1048576 bytes (1 MiB) for /generate" in error["error"] and "--max-request-mib" in error["error"]
+    assert (status == 413 and "1048576 bytes (1 MiB) for /generate" in error["error"]
+            and "--max-request-mib" in error["error"])
     chunked = (b" " * (64 << 10) for _ in range(17))  # no Content-Length: counted while it is read
     status, error = call(server, "/generate", data=chunked, headers={"Transfer-Encoding": "chunked"})
     assert status == 413 and "--max-request-mib" in error["error"]

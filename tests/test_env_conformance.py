@@ -38,7 +38,8 @@ class FileCounter:
     the line count the sandbox reports / 3."""
 
     tools = [{"type": "function", "function": {"name": "append", "description": "append a line",
-                                               "parameters": {"type": "object", "properties": {"line": {"type": "string"}},
+                                               "parameters": {"type": "object",
+                                                              "properties": {"line": {"type": "string"}},
                                                               "required": ["line"]}}}]
 
     def __init__(self, ctx):

@@ -116,17 +116,20 @@ def test_multi_turn_rollouts_are_evaluated_through_their_env(tmp_path):
     config = prepare("configs/retool.yaml").config
     model = build_model_dir(config.model.build, config.model.tokenizer, tmp_path / "model", seed=0)
     metrics = evaluate_model(prepare("configs/retool.yaml", [
-        "rollout.env.name=test_evaluation:TwoTurnEnv", "rollout.sandbox=null", "reward.name=test_evaluation:turns_reward",
+        "rollout.env.name=test_evaluation:TwoTurnEnv", "rollout.sandbox=null",
+        "reward.name=test_evaluation:turns_reward",
         "eval.datasets=[{name: tools, n: 2, k: [1, 2], max_prompts: 4, sampling: {max_new_tokens: 12}}]"]), str(model))
     assert metrics["eval/tools/prompts"] == 4 and len(TwoTurnEnv.opened) == 8 and len(set(TwoTurnEnv.opened)) == 4
     assert metrics["eval/tools/turns/mean"] == fmean(TURNS) and max(TURNS) >= 1
 
 
 @pytest.mark.parametrize("override, message", [
-    ("eval.datasets=[{name: a, n: 2, k: [1, 3]}]", "eval.datasets[0].k: expected a list of whole numbers from 1 to n=2"),
+    ("eval.datasets=[{name: a, n: 2, k: [1, 3]}]",
+     "eval.datasets[0].k: expected a list of whole numbers from 1 to n=2"),
     ("eval.datasets=[{name: a}, {name: a}]", "eval.datasets[1].name: 'a' names two datasets"),
     ("eval.datasets=[{name: a, nn: 2}]", "unknown config key 'eval.datasets[0].nn'"),
-    ("eval.datasets=[{name: a, path: /nonexistent.jsonl}]", "eval.datasets[0] (a).path: '/nonexistent.jsonl' is not a file"),
+    ("eval.datasets=[{name: a, path: /nonexistent.jsonl}]",
+     "eval.datasets[0] (a).path: '/nonexistent.jsonl' is not a file"),
 ])
 def test_bad_eval_sections_exit_2_naming_the_key(tmp_path, capsys, override, message):
     code = main(["train", "configs/quickstart.yaml", f"run.dir={tmp_path / 'run'}", "run.progress=false", override])

@@ -20,7 +20,8 @@ def handled(monkeypatch):
         yield
 
 
-def _signal_when(ready: threading.Event, signum: int, delay_s: float = 0.0, to_this_thread: bool = False) -> threading.Thread:
+def _signal_when(ready: threading.Event, signum: int, delay_s: float = 0.0,
+                 to_this_thread: bool = False) -> threading.Thread:
     """``to_this_thread``: the kernel hands the signal to the sending thread, not the main one (as it may in a
     process with many threads: Ray's, gRPC's); only the loop's wakeup then tells the main thread."""
     def send():

@@ -59,7 +59,8 @@ def test_routing_is_recorded_replayed_and_restored(moe_dir):
     with routing(model, replay=forced, keep_logits=True) as record:  # the router still learns under replay
         loss, _ = record_loss(model, ids, record)
         loss.backward()
-    assert all(router.weight.grad is not None and router.weight.grad.abs().sum() > 0 for router in layout.routers.values())
+    assert all(router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+               for router in layout.routers.values())
     with pytest.raises(ValueError, match="routes 2 layers x top-2 = 4"):
         with routing(model, replay=own[..., :3]):
             pass
@@ -179,7 +180,8 @@ def test_r3_makes_the_trainers_routing_the_engines_and_shrinks_the_logprob_gap(m
         backend = TorchBackend(routing_replay=replay)
         backend.setup(str(moe_dir), seed=0)
         logprobs = backend.compute_logprobs(batch)
-        figures[replay] = float(((logprobs - batch.rollout_logprobs).abs() * batch.loss_mask).sum() / batch.loss_mask.sum())
+        figures[replay] = float(((logprobs - batch.rollout_logprobs).abs() * batch.loss_mask).sum()
+                                / batch.loss_mask.sum())
         metrics = backend.train_step(batch, ppo_clip)
         assert metrics["train/routing_mismatch_frac"] == (0.0 if replay else pytest.approx(
             _mismatch(_trainer_routing(model, batch, False), batch.routed_experts, batch.attention_mask)))

@@ -33,7 +33,8 @@ class ScriptedPolicy:
     cut after ``abort_after`` tokens, as an engine abort would."""
 
     def __init__(self, engine, turns, abort_at=None, abort_after=2):
-        self.engine, self.turns, self.abort_at, self.abort_after, self.calls = engine, list(turns), abort_at, abort_after, 0
+        self.engine, self.turns, self.abort_at, self.abort_after, self.calls = (
+            engine, list(turns), abort_at, abort_after, 0)
         self.prompts = []
 
     async def generate(self, input_ids, sampling_params, return_logprob=True):
@@ -41,10 +42,12 @@ class ScriptedPolicy:
         self.prompts.append(list(input_ids))
         if self.calls == self.abort_at:
             ids = tokenizer.encode(self.turns[0], add_special_tokens=False)[: self.abort_after]
-            self.turns[0] = tokenizer.decode(tokenizer.encode(self.turns[0], add_special_tokens=False)[self.abort_after:])
+            self.turns[0] = tokenizer.decode(
+                tokenizer.encode(self.turns[0], add_special_tokens=False)[self.abort_after:])
             finish = {"type": "abort", "message": "aborted"}
         else:
-            ids = tokenizer.encode(self.turns.pop(0), add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+            ids = (tokenizer.encode(self.turns.pop(0), add_special_tokens=False)
+                   + [tokenizer.convert_tokens_to_ids("<|im_end|>")])
             finish = {"type": "stop", "matched": ids[-1]}
         self.calls += 1
         logprobs = _logprobs(self.engine.model, list(input_ids) + ids)[-len(ids):]
@@ -142,7 +145,8 @@ def test_tool_calls_run_and_bad_ones_come_back_as_counted_errors(engine):
     sample = Sample(prompt_ids=[0], prompt="What are 2+3 and 4+5?")
     asyncio.run(MultiTurn(max_turns=8)(sample, ctx))
     assert (sample.status, sample.turns, sample.response_text) == (SampleStatus.COMPLETED, 5, "5 and 9")
-    assert sample.metadata["tools"] == {"calls": 5, "succeeded": 2, "parse_errors": 1, "schema_errors": 2, "timeouts": 0}
+    assert sample.metadata["tools"] == {"calls": 5, "succeeded": 2, "parse_errors": 1, "schema_errors": 2,
+                                        "timeouts": 0}
     decoded = [engine.tokenizer.decode(p[len(sample.prompt_ids):]) for p in policy.prompts[1:]]
     assert "<tool_response>\nerror: the tool call is not valid JSON" in decoded[0]
     assert "error: unknown tool 'mul'; available: add" in decoded[1]
@@ -233,7 +237,8 @@ def test_an_aborted_trajectory_continues_from_its_exact_tokens_with_its_env(engi
 
     ctx.env = AbortAfterFirstTurn
     asyncio.run(fn(fresh, ctx))
-    assert (fresh.status, fresh.reason, fresh.turns) == (SampleStatus.ABORTED, "partial rollout: stopped before its next turn", 1)
+    assert (fresh.status, fresh.reason, fresh.turns) == (SampleStatus.ABORTED,
+                                                         "partial rollout: stopped before its next turn", 1)
     assert CountingEnv.closed == 0
     asyncio.run(fn.aclose())
     assert AbortAfterFirstTurn.closed == 1

@@ -68,7 +68,8 @@ def test_unfinished_samples_are_kept_and_continued_under_new_weights(engine, tin
     assert batch.num_tokens == sum(len(s.response_ids) for s in continued)  # token and log-prob alignment
     for i, s in enumerate(continued):
         start = len(s.prompt_ids) - 1
-        assert batch.rollout_logprobs[i, start: start + len(s.response_ids)].tolist() == pytest.approx(s.rollout_logprobs)
+        assert (batch.rollout_logprobs[i, start: start + len(s.response_ids)].tolist()
+                == pytest.approx(s.rollout_logprobs))
 
 
 def test_off_policy_tokens_can_be_left_out_of_the_loss():

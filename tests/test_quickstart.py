@@ -37,7 +37,8 @@ def test_quickstart_learns(miles_cli, tmp_path):
     assert all(row["train/entropy"] > 0 for row in steps)
 
     header = json.loads((tmp_path / "run.json").read_text())
-    assert {"name": "miles.builtin.rewards", "version": header["plugins"][0]["version"]}.items() <= header["plugins"][0].items()
+    assert ({"name": "miles.builtin.rewards", "version": header["plugins"][0]["version"]}.items()
+            <= header["plugins"][0].items())
     assert header["config"]["run"]["steps"] == 200
 
     for checkpoint, step in (("sft_model", 50), ("final_model", 200)):

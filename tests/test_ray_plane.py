@@ -76,7 +76,8 @@ def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path):
     train(prepare("configs/quickstart.yaml", [
         f"run.dir={tmp_path}", "run.progress=false", "sft.steps=20", f"run.steps={steps}", "run.eval_size=0",
         "rollout.engine.num_engines=2", "rollout.prompts_per_step=4", "rollout.n_samples=4",
-        "rollout.fn.name=killing_single_turn", "rollout.sampling.max_new_tokens=4", "cluster.router.health_interval_s=0.2",
+        "rollout.fn.name=killing_single_turn", "rollout.sampling.max_new_tokens=4",
+        "cluster.router.health_interval_s=0.2",
         "cluster.num_cpus=3",  # two engines and the training worker, one logical CPU each
     ], extra_plugins=[("killer", killer)]))
     rows = metrics_of(tmp_path)
@@ -113,15 +114,17 @@ def test_interrupted_run_leaves_no_ray_processes(tmp_path, sig, moment):
 
     run_dir = tmp_path / "run"
     temp_dir = str(RayCluster.temp_dir_for(run_dir))
-    ray_processes = lambda: [l for l in subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True,  # noqa: E731
-                                                       text=True).stdout.splitlines() if temp_dir in l]
+    ray_processes = lambda: [line for line in subprocess.run(["ps", "-eww", "-o", "args"],  # noqa: E731
+                                                             capture_output=True, text=True).stdout.splitlines()
+                             if temp_dir in line]
     metrics = run_dir / "metrics.jsonl"
     reached = {"start-up": ray_processes,
                "steps": lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1}[moment]
     delay_s = random.uniform(0, 2) if moment == "steps" else 0.0
     proc = subprocess.Popen([*MILES_WITH_CTRL_C, "train", "configs/quickstart.yaml", f"run.dir={run_dir}",
                              "run.progress=false", "rollout.engine.num_engines=1", "sft.steps=5"],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         for _ in range(1200):
             if reached():

@@ -47,7 +47,8 @@ def test_kl_as_a_loss_term_starts_at_zero_and_grows(tmp_path):
 
 
 def test_kl_as_a_reward_penalty(tmp_path):
-    train(short(tmp_path, "regularization.kl_coef=0.5", "regularization.kl_in=reward", "regularization.kl_estimator=k1"))
+    train(short(tmp_path, "regularization.kl_coef=0.5", "regularization.kl_in=reward",
+                "regularization.kl_estimator=k1"))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["rollout/kl_penalty_mean"] == pytest.approx(0.0, abs=1e-5)
     assert any(abs(r["rollout/kl_penalty_mean"]) > 1e-4 for r in rows[1:])

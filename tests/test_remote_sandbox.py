@@ -42,7 +42,8 @@ class StandInProvider:
             self.fail_creates -= 1
             raise ConnectionError("503 Service Unavailable")
         sandbox_id = f"sb-{self.creates}"
-        self.sandboxes[sandbox_id] = (LocalSandbox(isolation="bwrap", mounts=["/standin"], cwd="/standin"), dict(labels))
+        self.sandboxes[sandbox_id] = (LocalSandbox(isolation="bwrap", mounts=["/standin"], cwd="/standin"),
+                                      dict(labels))
         if self.create_started is not None:
             self.create_started.set()
         if self.create_gate is not None:

@@ -43,8 +43,8 @@ def _descendants() -> list[str]:
 
 def test_the_recipe_runs_its_phases_with_the_real_sandbox(tmp_path):
     summary = train(prepare("configs/retool.yaml", [
-        f"run.dir={tmp_path}", "sft.steps=80", "data.generator.direct_fraction=0.0", "run.steps=2", "rollout.prompts_per_step=4", "rollout.n_samples=4",
-        "run.eval_size=8", "run.progress=false"]))
+        f"run.dir={tmp_path}", "sft.steps=80", "data.generator.direct_fraction=0.0", "run.steps=2",
+        "rollout.prompts_per_step=4", "rollout.n_samples=4", "run.eval_size=8", "run.progress=false"]))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert len(steps) == 2 and all(r["samples/failed"] == 0 for r in steps)
@@ -64,7 +64,8 @@ def test_code_that_never_ends_comes_back_as_a_timeout(chat_model_dir):
     sample = Sample(prompt_ids=[0], prompt="6*7=")
     asyncio.run(MultiTurn(tools_in_prompt=False)(sample, ctx))
     assert (sample.status, sample.response_text, sample.turns) == (SampleStatus.COMPLETED, "42", 3)
-    assert sample.metadata["tools"] == {"calls": 2, "succeeded": 1, "parse_errors": 0, "schema_errors": 0, "timeouts": 1}
+    assert sample.metadata["tools"] == {"calls": 2, "succeeded": 1, "parse_errors": 0, "schema_errors": 0,
+                                        "timeouts": 1}
     observations = [engine.tokenizer.decode(p[len(sample.prompt_ids):]) for p in policy.prompts[1:]]
     assert "<tool_response>\nerror: timed out after 1 s\n</tool_response>" in observations[0]
     assert "<tool_response>\n42\n\n</tool_response>" in observations[1]

@@ -246,7 +246,8 @@ def test_format_checks_its_nodes_at_config_time(registry):
     assert "unknown reward 'maht' (at reward.reward.name)" in problems(reward="maht")[0]
     assert problems(reward=3) == ["reward.reward: expected a reward node ({name: ..., args}) or the name of a reward, "
                                   "got 3"]
-    for bad, message in (({"flags": "q"}, "flags: expected letters"), ({"mode": "max"}, "mode: expected one of gate, add"),
+    for bad, message in (({"flags": "q"}, "flags: expected letters"),
+                         ({"mode": "max"}, "mode: expected one of gate, add"),
                          ({"weight": "x"}, "weight: expected a finite number")):
         with pytest.raises(ValueError, match=message):
             registry.get("reward", "format").obj.check_args({"pattern": "x", **bad})
@@ -287,7 +288,8 @@ def test_code_tests_scores_the_share_of_tests_passed(registry):
     node = {"name": "code_tests", "test_timeout_s": 1.0, "run_timeout_s": 4.0, "max_concurrent": 5}
     mixed, exits, no_code, string_label, endless = scored(
         registry, node,
-        (solution, ["assert f(1) == 2", "assert f(2) == 5", "while True: pass", "assert f(0) == 1\nprint('x' * 10**6)"]),
+        (solution, ["assert f(1) == 2", "assert f(2) == 5", "while True: pass",
+                    "assert f(0) == 1\nprint('x' * 10**6)"]),
         ("```python\nimport os\nos._exit(0)\n```", ["assert True"]),
         ("I would rather not.", ["assert True"]),
         (solution, "import math\nassert f(1) == 2\nassert math.pi > 4"),

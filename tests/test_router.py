@@ -30,7 +30,8 @@ def free_port() -> int:
 
 def start_engine(model_dir, port):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "miles", "engine", "serve", "--model", str(model_dir), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "miles", "engine", "serve", "--model", str(model_dir),
+                             "--port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -143,7 +144,8 @@ def test_standalone_router_serves_one_address(engines):
                 break
             except OSError:
                 time.sleep(0.1)
-        body = json.dumps({"input_ids": [[4, 13, 5, 14]] * 4, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+        body = json.dumps({"input_ids": [[4, 13, 5, 14]] * 4,
+                           "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
                            "return_logprob": True}).encode()
         request = urllib.request.Request(base + "/generate", data=body, headers={"Content-Type": "application/json"})
         answers = json.loads(urllib.request.urlopen(request, timeout=60).read())

@@ -42,7 +42,8 @@ def test_settings_that_contradict_the_schedule_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="rollout.partial_rollout: with run.schedule async, samples are aborted"):
         prepare("configs/quickstart.yaml", ["run.schedule=async", "rollout.partial_rollout=true",
                                             "rollout.async.update=pause"])
-    with pytest.raises(ConfigError, match=r"max_concurrent_samples: expected 0 or at least one group \(rollout.n_samples=8\)"):
+    with pytest.raises(ConfigError,
+                       match=r"max_concurrent_samples: expected 0 or at least one group \(rollout.n_samples=8\)"):
         prepare("configs/quickstart.yaml", ["run.schedule=async", "rollout.async.max_concurrent_samples=4"])
     with pytest.raises(ConfigError, match="one_step_off generates a whole step at once"):
         prepare("configs/quickstart.yaml", ["run.schedule=one_step_off", "rollout.async.max_concurrent_samples=16"])
@@ -128,7 +129,8 @@ def test_staleness_never_exceeds_the_bound_and_every_group_is_accounted_for(tmp_
     recorder = Recorder(seed=seed)
     steps = 8
     train(prepare("configs/quickstart.yaml", [
-        f"run.dir={tmp_path}", *QUICK, f"run.steps={steps}", f"run.schedule={schedule}", "rollout.fn.name=jittery_single_turn",
+        f"run.dir={tmp_path}", *QUICK, f"run.steps={steps}", f"run.schedule={schedule}",
+        "rollout.fn.name=jittery_single_turn",
         f"rollout.async.max_staleness={k}", f"rollout.async.update={update}", f"rollout.async.stale={stale}",
         "rollout.sampling.max_new_tokens=6"], extra_plugins=[("recorder", recorder)]))
     where = f"schedule={schedule} k={k} update={update} stale={stale}"
@@ -167,7 +169,8 @@ def test_an_update_that_lands_mid_generation_keeps_each_token_s_version(tmp_path
     for versions, off_policy in mixed:
         assert versions[0] == 0 and versions[-1] == 1  # started on version 0, finished on version 1
         assert 2 <= off_policy < 24  # the tokens version 0 sampled, before the update
-    assert recorder.metrics[1]["rollout/off_policy_token_frac"] > 0 if "rollout/off_policy_token_frac" in recorder.metrics[1] else True
+    assert (recorder.metrics[1]["rollout/off_policy_token_frac"] > 0
+            if "rollout/off_policy_token_frac" in recorder.metrics[1] else True)
 
 
 def test_record_versions_marks_the_tokens_of_older_versions_off_policy():

@@ -113,7 +113,8 @@ def test_dynamic_sampling_in_a_run_keeps_the_batch_full(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["selection/groups_kept"] == 8 and r["train/samples"] == 64 for r in rows)
     assert all(r["train/nonzero_adv_frac"] == 1.0 for r in rows)  # no group without signal is trained on
-    assert any(r["selection/rounds"] > 1 for r in rows) and sum(r["selection/dynamic_sampling_removed"] for r in rows) > 0
+    assert (any(r["selection/rounds"] > 1 for r in rows)
+            and sum(r["selection/dynamic_sampling_removed"] for r in rows) > 0)
     assert all(r["samples/total"] == 8 * (8 + r["selection/groups_removed"]) for r in rows if r["selection/rounds"] > 0)
 
 

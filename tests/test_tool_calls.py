@@ -28,7 +28,8 @@ def test_hermes_finds_several_calls_and_the_text_around_them():
     ('["add"]', "parse", 'a JSON object with a string "name"'),
     ('{"name": "add", "arguments": 3}', "parse", "the arguments of add must be a JSON object, got int"),
     ('{"name": "mul", "arguments": {}}', "schema", "unknown tool 'mul'; available: add, execute_python_code"),
-    ('{"name": "add", "arguments": {"a": "1", "b": 2}}', "schema", "1 validation error for add: a: '1' is not of type 'integer'"),
+    ('{"name": "add", "arguments": {"a": "1", "b": 2}}', "schema",
+     "1 validation error for add: a: '1' is not of type 'integer'"),
     ('{"name": "execute_python_code", "arguments": {"source": "print(1)"}}', "schema",
      "2 validation errors for execute_python_code: arguments: 'code' is a required property; "
      "arguments: Additional properties are not allowed ('source' was unexpected)"),
@@ -62,5 +63,6 @@ def test_parsers_and_tools_are_registered():
     assert {"hermes", "python_block"} <= set(registry.names("tool_parser"))
     assert "execute_python_code" in registry.names("tool")
     assert "tool_env" in registry.names("env")
-    parser = registry.build("tool_parser", {"name": "python_block", "tool": "run", "argument": "src"}, "rollout.tool_parser")
+    parser = registry.build("tool_parser", {"name": "python_block", "tool": "run", "argument": "src"},
+                            "rollout.tool_parser")
     assert parser.parse("```python\nx\n```")[0].arguments == {"src": "x\n"}

@@ -94,7 +94,8 @@ def test_a_run_reports_the_gap_every_step(tmp_path, true_on_policy):
                  "rollout.prompts_per_step=4", "rollout.n_samples=4", "run.eval_size=0", "run.progress=false",
                  f"rollout.true_on_policy={str(true_on_policy).lower()}"])
     assert code == 0
-    gaps = [json.loads(line)["train/logprob_abs_diff_max"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    gaps = [json.loads(line)["train/logprob_abs_diff_max"]
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(gaps) == 3
     assert all(gap == 0.0 for gap in gaps) if true_on_policy else all(0.0 < gap < 1e-4 for gap in gaps)
 

@@ -525,8 +525,9 @@ def test_auto_catches_an_engine_up_with_shm_here_and_tensors_elsewhere(
 
 def test_the_file_carries_every_dtype_and_shape_a_state_dict_holds():
     weights = {"bf16": torch.randn(3, 5).bfloat16(), "f16": torch.randn(7).half(), "f64": torch.randn(2, 2).double(),
-               "i64": torch.arange(7), "bool": torch.tensor([True, False, True]), "u8": torch.arange(5, dtype=torch.uint8),
-               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "transposed": torch.randn(4, 6).t()}
+               "i64": torch.arange(7), "bool": torch.tensor([True, False, True]),
+               "u8": torch.arange(5, dtype=torch.uint8), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
+               "transposed": torch.randn(4, 6).t()}
     file = WeightFile()
     try:
         descriptor = file.prepare(weights, 3)

@@ -144,7 +144,8 @@ class MultiTurn:
             sample.record_versions(start, meta)
             finish = meta["finish_reason"]["type"]
             if finish == "abort":
-                sample.status, sample.reason = SampleStatus.ABORTED, str(meta["finish_reason"].get("message", "aborted"))
+                sample.status, sample.reason = (SampleStatus.ABORTED,
+                                                str(meta["finish_reason"].get("message", "aborted")))
                 return True
             if finish == "length":
                 sample.turns += 1
@@ -187,7 +188,8 @@ class MultiTurn:
                     return False
             room, limit = self._room(sample, ctx)
             if len(observation) >= room:  # no room left for the observation and one more generated token
-                sample.status, sample.reason = SampleStatus.TRUNCATED, f"{limit} by the observation after turn {sample.turns}"
+                sample.status, sample.reason = (SampleStatus.TRUNCATED,
+                                                f"{limit} by the observation after turn {sample.turns}")
                 return False
             sample.append(observation, None, from_policy=False)
             trajectory.turn_start = len(sample.response_ids)
@@ -217,7 +219,8 @@ class MultiTurn:
         return rendered[same:]
 
     @staticmethod
-    def _count_results(valid: list, results: list[ToolResult] | None, stats: dict[str, int], exec_s: list[float]) -> None:
+    def _count_results(valid: list, results: list[ToolResult] | None, stats: dict[str, int],
+                       exec_s: list[float]) -> None:
         if results is None:  # an env that runs no tools of its own reports nothing: its calls count as done
             stats["succeeded"] += len(valid)
             return

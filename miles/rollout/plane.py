@@ -118,7 +118,8 @@ class RolloutPlane:
         """:meth:`prefill_counts`, asked now and read when the returned function is called: remote engines answer
         on the plane's loop meanwhile (a trainer asks before its step and reads after it)."""
         if self.router is None:
-            counts = _prefill_sums([engine.stats() if hasattr(engine, "stats") else {} for engine in self.local_engines])
+            counts = _prefill_sums([engine.stats() if hasattr(engine, "stats") else {}
+                                    for engine in self.local_engines])
             return lambda: counts
 
         async def fetch() -> list[dict[str, Any]]:

@@ -38,7 +38,8 @@ class JsonlLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         assert self._file is not None, "start() was not called"
-        row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}}
+        row = {"step": step,
+               **{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 

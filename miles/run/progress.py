@@ -13,7 +13,8 @@ class PlainProgress:
     """Prints ``desc: k/total (postfix)`` every ``every`` steps, after ``interval_s`` without a line, and at
     the end: a log file gets a few readable lines instead of thousands of carriage-return frames."""
 
-    def __init__(self, total: int, desc: str, file: IO[str], every: int | None = None, interval_s: float = 60.0) -> None:
+    def __init__(self, total: int, desc: str, file: IO[str], every: int | None = None,
+                 interval_s: float = 60.0) -> None:
         self.total, self.desc, self.file = total, desc, file
         self.every = every or max(1, total // 10)
         self.interval_s = interval_s

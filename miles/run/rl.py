@@ -49,7 +49,8 @@ class RLPhase:
         writer = RolloutWriter(run.run_dir, model_path, run.pad_token_id) if run_cfg.save_rollouts else None
         learner = Learner.from_config(p, self.backend, run.pad_token_id, save_rollouts=writer,
                                       teacher=make_teacher(config.distill, p, model_path, run.closing))
-        selectors = [(component_node(n)["name"], p.registry.build("data_selector", component_node(n), f"selection[{i}]"))
+        selectors = [(component_node(n)["name"],
+                      p.registry.build("data_selector", component_node(n), f"selection[{i}]"))
                      for i, n in enumerate(config.selection)]
         self.c = Step(
             hooks=p.pm.hook,
@@ -134,7 +135,8 @@ class RLPhase:
                 names = tuple(f"eval/{es.name}/" for es in run.eval_sets)
                 for logger in run.loggers:
                     logger.log(0, {k: v for k, v in run.summary["eval_start"].items() if k.startswith(names)})
-        self.schedule = make_schedule(run_cfg.schedule, self.c, stream_settings(config), version=self.plane.weight_version)
+        self.schedule = make_schedule(run_cfg.schedule, self.c, stream_settings(config),
+                                      version=self.plane.weight_version)
         run.closing.callback(self.schedule.close)  # before the envs, sandboxes and engines it uses are closed
         with progress(run_cfg.steps, config.advantage.name, run_cfg.progress) as bar:
             bar.update(self.first_step)

@@ -120,7 +120,8 @@ def train(p: Prepared) -> dict[str, Any]:
     if run_cfg.torch_threads > 0:
         torch.set_num_threads(run_cfg.torch_threads)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config))
-    (run_dir / "run.json").write_text(json.dumps({"config": OmegaConf.to_container(config), "plugins": stack}, indent=1))
+    (run_dir / "run.json").write_text(json.dumps({"config": OmegaConf.to_container(config), "plugins": stack},
+                                                 indent=1))
     p.pm.hook.miles_run_start(run_dir=str(run_dir), config=config, plugins=stack)
 
     with ExitStack() as closing:

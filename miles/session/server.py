@@ -162,7 +162,8 @@ class SessionServer:
         if budget < 1:
             return self._overflow(session, request, prompt)
         params = {**self.sampling_params, "max_new_tokens": budget,
-                  "stop_token_ids": conversation.format.request_stop_ids(self.sampling_params.get("stop_token_ids", ()))}
+                  "stop_token_ids": conversation.format.request_stop_ids(
+                      self.sampling_params.get("stop_token_ids", ()))}
         params.update({k: v for k, v in (("temperature", request.temperature), ("top_p", request.top_p))
                        if v is not None})
         try:

@@ -23,7 +23,8 @@ class ScriptedPolicy:
         self.eot_id = tokenizer.convert_tokens_to_ids(eot)
         self.calls = 0
 
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], return_logprob: bool = True) -> dict:
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any],
+                       return_logprob: bool = True) -> dict:
         self.calls += 1
         text = self.tokenizer.decode(input_ids, skip_special_tokens=False)
         turns = text.split("<|im_start|>")

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 # The `miles` command line, to run with subprocess, with Ctrl-C restored: a shell without job control starts
 # background commands with SIGINT ignored and a child inherits that, so a test that sends SIGINT uses this.
-MILES_WITH_CTRL_C = [sys.executable, "-c", "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+MILES_WITH_CTRL_C = [sys.executable, "-c", "import runpy, signal; "
+                     "signal.signal(signal.SIGINT, signal.default_int_handler); "
                      "runpy.run_module('miles', run_name='__main__')"]
 
 

@@ -80,7 +80,8 @@ def plan_step(lengths: torch.Tensor, *, world_size: int = 1, mini_batches: int =
     plan: Plan = []
     for k in range(mini_batches):
         shares = balanced_partition(lengths, list(range(bounds[k], bounds[k + 1])), world_size)
-        per_rank = [micro_batch_indices(lengths, share, max_samples=max_samples, max_tokens=max_tokens) for share in shares]
+        per_rank = [micro_batch_indices(lengths, share, max_samples=max_samples, max_tokens=max_tokens)
+                    for share in shares]
         count = max(len(m) for m in per_rank)
         plan.append([_equalize(m, count) for m in per_rank])
     return plan

@@ -73,7 +73,8 @@ def _importance_weights(inputs: LossInputs, level: str, mode: str, cap: float) -
 
 def ppo_clip(inputs: LossInputs, clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float | None = None,
              ratio: str = "token", agg: str = "token_mean", norm_tokens: int | None = None,
-             tis: str = "none", tis_mode: str = "truncate", tis_cap: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
+             tis: str = "none", tis_mode: str = "truncate",
+             tis_cap: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate: per token ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
 
     ``ratio="token"``: ``r = exp(logp - logp_old)`` per token; ``"sequence"`` (GSPO): each

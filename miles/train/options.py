@@ -76,13 +76,15 @@ class TrainOptions:
         if self.logprob_chunk_tokens < 0:
             problems.append(f"logprob_chunk_tokens must be >= 0 (0: not chunked), got {self.logprob_chunk_tokens}")
         if self.exact_logprobs and (self.logprob_chunk_tokens or self.routing_replay or self.lora):
-            problems.append("exact_logprobs (rollout.true_on_policy) computes log-probs one whole sequence at a time for "
-                            "a dense model without adapters: it cannot go with logprob_chunk_tokens, routing_replay or lora")
+            problems.append("exact_logprobs (rollout.true_on_policy) computes log-probs one whole sequence at a time "
+                            "for a dense model without adapters: it cannot go with logprob_chunk_tokens, "
+                            "routing_replay or lora")
         if self.router_aux_loss_coef < 0:
             problems.append(f"router_aux_loss_coef must not be negative, got {self.router_aux_loss_coef}")
         if self.max_grad_norm < 0 or self.weight_decay < 0 or self.warmup_steps < 0 or self.critic_warmup_steps < 0:
             problems.append("max_grad_norm, weight_decay, warmup_steps and critic_warmup_steps must not be negative")
-        if (self.critic_lr is not None and self.critic_lr <= 0) or (self.value_clip is not None and self.value_clip <= 0):
+        if ((self.critic_lr is not None and self.critic_lr <= 0)
+                or (self.value_clip is not None and self.value_clip <= 0)):
             problems.append("critic_lr and value_clip must be positive (or null)")
         if not 0 <= self.min_lr_ratio <= 1:
             problems.append(f"min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}")

@@ -71,7 +71,8 @@ class Policy:
         self.logprob_kernel = select_kernel(options.logprob_kernel, device) if options.logprob_chunk_tokens else None
         # only what trains (with LoRA: the adapters) has optimizer state
         self.optimizer = optimizer or torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=options.lr, betas=(options.beta1, options.beta2), weight_decay=options.weight_decay)
+            [p for p in model.parameters() if p.requires_grad], lr=options.lr, betas=(options.beta1, options.beta2),
+            weight_decay=options.weight_decay)
         total = None if total_steps is None else total_steps * options.mini_batches * options.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: options.lr_factor(k, total))
 
@@ -82,8 +83,8 @@ class Policy:
         if self.options.exact_logprobs:
             return self._exact_forward(model, micro, kwargs.get("with_entropy", False))
         with self._autocast():
-            return token_logprobs(model, micro.input_ids.to(self.device), chunk_tokens=self.options.logprob_chunk_tokens,
-                                  kernel=self.logprob_kernel, **kwargs)
+            return token_logprobs(model, micro.input_ids.to(self.device),
+                                  chunk_tokens=self.options.logprob_chunk_tokens, kernel=self.logprob_kernel, **kwargs)
 
     def _exact_forward(self, model: torch.nn.Module, micro: TrainBatch, with_entropy: bool):
         """``[B, L-1]`` log-probs (and entropy), each row by :func:`miles.models.hf.exact_logprobs` (bit-identical to an
@@ -238,8 +239,10 @@ class Policy:
                     (logprobs.sum() * 0.0).backward()
                     continue
                 logprobs, entropy = logprobs.float(), entropy.float()
-                old = olds[k][m].to(self.device) if self.options.old_logprobs == "recompute" else micro.rollout_logprobs.to(self.device)
-                ref = self._routed_forward(self.ref_model, micro).float().detach() if self.ref_model is not None else None
+                old = (olds[k][m].to(self.device) if self.options.old_logprobs == "recompute"
+                       else micro.rollout_logprobs.to(self.device))
+                ref = (self._routed_forward(self.ref_model, micro).float().detach() if self.ref_model is not None
+                       else None)
                 mask = micro.loss_mask.to(self.device)
                 advantages = None if micro.advantages is None else micro.advantages.to(self.device)
                 inputs = LossInputs(logprobs, old, advantages, mask, normalizer, micro, ref, entropy, sequences)
@@ -256,7 +259,8 @@ class Policy:
                         totals[key] += float(value)
                     totals["train/entropy"] += float((entropy * mask).sum()) / normalizer
                     # KL to the reference model; with none configured, to the policy that sampled the batch.
-                    totals["train/kl"] += float((kl_estimate(logprobs, old if ref is None else ref, "k3") * mask).sum()) / normalizer
+                    totals["train/kl"] += float(
+                        (kl_estimate(logprobs, old if ref is None else ref, "k3") * mask).sum()) / normalizer
                     # How far the trainer's log-probs are from the engine's for the same tokens (0 when they agree).
                     gap = (logprobs - micro.rollout_logprobs.to(self.device)).abs()
                     totals["train/rollout_logprob_abs_diff"] += float((gap * mask).sum()) / normalizer
@@ -373,7 +377,8 @@ class TorchBackend:
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         plan = plan_batch(batch, self.options, mini_batches=self.options.mini_batches, epochs=self.options.epochs)
-        return combine_metrics(*self.policy.train(batch, [mini[0] for mini in plan], normalizers(batch.loss_mask, plan), loss_fn))
+        return combine_metrics(*self.policy.train(batch, [mini[0] for mini in plan], normalizers(batch.loss_mask, plan),
+                                                  loss_fn))
 
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         micros = plan_batch(batch, self.options)[0][0]

@@ -284,10 +284,12 @@ def test_a_service_that_never_answers_fails_within_the_connect_timeout_naming_it
         monkeypatch.setenv("DAYTONA_API_URL", url)
         monkeypatch.setenv("DAYTONA_API_KEY", "key")
         started = time.monotonic()
-        with pytest.raises(TimeoutError, match=f"daytona: could not reach the service within 0.5 s \\({url}, from DAYTONA_API_URL\\)"):
+        with pytest.raises(TimeoutError, match=f"daytona: could not reach the service within 0.5 s "
+                                               f"\\({url}, from DAYTONA_API_URL\\)"):
             run(DaytonaSandbox.preflight(connect_timeout_s=0.5))
         preflight_s = time.monotonic() - started
-        with pytest.raises(RuntimeError, match=f"could not create a sandbox in 1 attempt.*within 0.5 s \\({url}, from DAYTONA_API_URL\\)"):
+        with pytest.raises(RuntimeError, match=f"could not create a sandbox in 1 attempt.*within 0.5 s "
+                                               f"\\({url}, from DAYTONA_API_URL\\)"):
             run(used(DaytonaSandbox(create_retries=0, create_timeout_s=0.5, connect_timeout_s=0.5)))
     create_s = time.monotonic() - started - preflight_s
     print(f"silent service: preflight failed in {preflight_s:.2f} s, a create in {create_s:.2f} s")

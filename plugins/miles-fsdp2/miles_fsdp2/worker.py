@@ -135,7 +135,8 @@ class FSDPWorker:
             model = adapter_state(model)
         full = {"model": model, "optimizer": optimizer, "world_size": self.world_size}
         if policy.critic is not None:
-            full["critic"], full["critic_optimizer"] = get_state_dict(policy.critic, policy.critic_optimizer, options=_FULL)
+            full["critic"], full["critic_optimizer"] = get_state_dict(policy.critic, policy.critic_optimizer,
+                                                                      options=_FULL)
         if self.rank == 0:
             torch.save(full, Path(path) / "state.pt")
         torch.save({"scheduler": policy.scheduler.state_dict(), "steps_done": policy.steps_done, "rng": rng_state()},

@@ -100,7 +100,8 @@ def test_a_dead_worker_fails_the_step_with_a_clear_error(tiny_model_dir, tmp_pat
 def test_quickstart_trains_with_fsdp2(tmp_path):
     from miles.run.runner import prepare, train
 
-    args = [f"run.dir={tmp_path}", "run.progress=false", "backend.name=fsdp2", "backend.world_size=2", "run.save_every=50"]
+    args = [f"run.dir={tmp_path}", "run.progress=false", "backend.name=fsdp2", "backend.world_size=2",
+            "run.save_every=50"]
     train(prepare(_quickstart(), [*args, "run.steps=100"]))
     assert (tmp_path / "checkpoints" / "step_000100" / "backend" / "state.pt").is_file()
     # Then continue the same run for 40 more steps from its last checkpoint.

@@ -78,9 +78,9 @@ class MegatronBackend(RayWorkersBackend):
         self.options = TrainOptions(**options)
         if self.options.logprob_chunk_tokens != 0 or self.options.logprob_kernel != "torch":
             key = "logprob_chunk_tokens" if self.options.logprob_chunk_tokens != 0 else "logprob_kernel"
-            raise ConfigError(f"backend.{key}={getattr(self.options, key)!r}: the megatron backend computes log-probs its "
-                              f"own way (from its tensor-parallel output layer); the chunked path and its kernels are "
-                              f"for torch and fsdp2: leave logprob_chunk_tokens at 0 and logprob_kernel at torch")
+            raise ConfigError(f"backend.{key}={getattr(self.options, key)!r}: the megatron backend computes log-probs "
+                              f"its own way (from its tensor-parallel output layer); the chunked path and its kernels "
+                              f"are for torch and fsdp2: leave logprob_chunk_tokens at 0 and logprob_kernel at torch")
         if self.options.routing_replay or self.options.router_aux_loss_coef:
             key = "routing_replay" if self.options.routing_replay else "router_aux_loss_coef"
             raise ConfigError(f"backend.{key}={getattr(self.options, key)!r}: routing replay and the router's aux loss "
@@ -142,8 +142,8 @@ class MegatronBackend(RayWorkersBackend):
             size = {"pipeline_parallel": self.sizes.pp, "context_parallel": self.sizes.cp}[key]
             if size > 1:
                 self.shutdown()
-                raise ConfigError(f"backend.{key}={size}: megatron's parallel groups were built, but {_NOT_RUNNABLE[key]}; "
-                                  f"set it to 1")
+                raise ConfigError(f"backend.{key}={size}: megatron's parallel groups were built, "
+                                  f"but {_NOT_RUNNABLE[key]}; set it to 1")
         self._all("setup", model_path, seed, ref_model_path, total_steps)
         self._model_path = model_path
 

@@ -57,7 +57,8 @@ def hf_to_megatron(hf: Mapping[str, Tensor], spec: ModelSpec) -> dict[str, Tenso
             names = [name.format(layer=layer) for name in rule.hf]
             missing = [name for name in names if name not in hf]
             if missing:
-                raise KeyError(f"HF weights lack {missing} (for Megatron {rule.megatron.format(layer=layer, expert='*')})")
+                raise KeyError(f"HF weights lack {missing} "
+                               f"(for Megatron {rule.megatron.format(layer=layer, expert='*')})")
             used.update(names)
             tensors = [hf[name] for name in names]
             target = rule.megatron.replace("{layer}", str(layer))
@@ -104,7 +105,8 @@ def megatron_to_hf(full: Mapping[str, Tensor], spec: ModelSpec) -> dict[str, Ten
 def _patterns(spec: ModelSpec) -> list[tuple[re.Pattern[str], Rule]]:
     patterns = []
     for rule in spec.arch.rules:
-        regex = re.escape(rule.megatron).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(r"\{expert\}", r"(?P<expert>\d+)")
+        regex = (re.escape(rule.megatron).replace(r"\{layer\}", r"(?P<layer>\d+)")
+                 .replace(r"\{expert\}", r"(?P<expert>\d+)"))
         patterns.append((re.compile(regex + "$"), rule))
     return patterns
 

@@ -43,7 +43,8 @@ def test_first_steps_equal_the_torch_backend(tiny_model_dir, options):
 
 
 @pytest.mark.parametrize(("arguments", "message"), [
-    ({"world_size": 3, "tensor_parallel": 2}, r"world_size=3 must be divisible by tensor_parallel x pipeline_parallel x context_parallel = 2"),
+    ({"world_size": 3, "tensor_parallel": 2},
+     r"world_size=3 must be divisible by tensor_parallel x pipeline_parallel x context_parallel = 2"),
     ({"world_size": 2, "expert_parallel": 4}, r"backend.expert_parallel=4: world_size=2 must be divisible"),
     ({"tensor_parallel": 0}, r"backend.tensor_parallel must be an integer >= 1, got 0"),
     ({"distributed_optimizer": True}, r"backend.distributed_optimizer: .*optimizer.py"),

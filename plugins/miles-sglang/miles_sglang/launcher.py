@@ -117,8 +117,8 @@ class SGLangLauncher(SubprocessLauncher):
                            random_seed=self.random_seed, dtype=self.dtype,
                            mem_fraction_static=self.mem_fraction_static,
                            enable_memory_saver=bool(self.enable_memory_saver),
-                           enable_return_routed_experts=bool(self.enable_return_routed_experts), admin_token=admin_token,
-                           extra_args=self.extra_args, python=self.python)
+                           enable_return_routed_experts=bool(self.enable_return_routed_experts),
+                           admin_token=admin_token, extra_args=self.extra_args, python=self.python)
 
     def environment(self, *, threads: int, admin_token: str) -> dict[str, str]:
         # /health answers without generating a token: the router's health checks must pass while a colocated

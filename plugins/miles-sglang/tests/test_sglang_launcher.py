@@ -77,9 +77,11 @@ def test_argv_leaves_out_what_is_not_set():
 
 
 def test_launcher_builds_its_command_and_environment():
-    launcher = SGLangLauncher(tp_size=4, mem_fraction_static=0.5, enable_memory_saver=True, extra_args=["--trust-remote-code"])
+    launcher = SGLangLauncher(tp_size=4, mem_fraction_static=0.5, enable_memory_saver=True,
+                              extra_args=["--trust-remote-code"])
     argv = launcher.command("/m", host="127.0.0.1", port=1234, admin_token="", threads=2)
-    assert argv[argv.index("--tp-size") + 1] == "4" and "--enable-memory-saver" in argv and argv[-1] == "--trust-remote-code"
+    assert (argv[argv.index("--tp-size") + 1] == "4" and "--enable-memory-saver" in argv
+            and argv[-1] == "--trust-remote-code")
     assert "--admin-api-key" not in argv
     env = launcher.environment(threads=2, admin_token="")
     assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false" and env["OMP_NUM_THREADS"] == "2"

@@ -1,16 +1,13 @@
-"""Shared by every test folder: tests that start Ray instances run one at a time.
+"""Shared by every test folder: the tests that start Ray instances take turns.
 
-With ``pytest -n`` (pytest-xdist, ``--dist loadgroup`` in setup.cfg) the tests of the files below share one
-worker: two Ray instances at once on a small machine each slow the other several times over (measured on
-2 cores: a quickstart on Ray took 126 s beside another instance, 28 s alone), so they take turns while the
-other workers run everything else.
+With ``pytest -n 2`` (pytest-xdist) every test of the files below runs on one worker, in order, while the
+other workers run everything else (:func:`pytest_xdist_make_scheduler`). A run joins the Ray instance its
+process already has, so a test module that leaves one running is stopped here too.
 """
 
-from pathlib import Path
+import sys
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent
 
 STARTS_RAY = {
     "tests/test_debug_modes.py", "tests/test_engine_chaos.py", "tests/test_gpu_check.py", "tests/test_lora.py",
@@ -18,12 +15,24 @@ STARTS_RAY = {
     "tests/test_true_on_policy.py",
     "plugins/miles-fsdp2/tests/test_fsdp2.py", "plugins/miles-fsdp2/tests/test_fsdp2_chunked_logprobs.py",
     "plugins/miles-fsdp2/tests/test_fsdp2_lora.py", "plugins/miles-megatron/tests/test_megatron_backend.py",
-    "plugins/miles-megatron/tests/test_megatron_parallel.py",
-    "plugins/miles-sglang/tests/test_sglang_launcher.py",
+    "plugins/miles-megatron/tests/test_megatron_parallel.py", "plugins/miles-sglang/tests/test_sglang_launcher.py",
 }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if Path(item.fspath).resolve().relative_to(ROOT).as_posix() in STARTS_RAY:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with one scope for every test that starts Ray, and one per test otherwise."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayTakesTurns(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if nodeid.split("::", 1)[0] in STARTS_RAY else nodeid
+
+    return RayTakesTurns(config, log)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_left_running():
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()

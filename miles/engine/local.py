@@ -162,11 +162,12 @@ class LocalEngine:
         """Give back memory while a colocated trainer trains (SGLang's ``release_memory_occupation``): ``weights``
         (the parameters' storage) and ``kv_cache`` (the prefix cache); None or [] means both. Only when idle."""
         tags = self._memory_tags(tags)
-        load = self.batcher.load()
-        if load["running_requests"] or load["waiting_requests"] or self._turn:
-            raise ValueError(f"the engine is busy ({load['running_requests']} running, {load['waiting_requests']} "
-                             f"waiting); release memory only when it is idle")
         with self.batcher.step_lock, torch.no_grad():
+            # under the step lock: a request already answered has left the batch (rows retire in the same step)
+            load = self.batcher.load()
+            if load["running_requests"] or load["waiting_requests"] or self._turn:
+                raise ValueError(f"the engine is busy ({load['running_requests']} running, "
+                                 f"{load['waiting_requests']} waiting); release memory only when it is idle")
             if "kv_cache" in tags:
                 self.batcher.clear_prefix_cache()
             if "weights" in tags and "weights" not in self.released:

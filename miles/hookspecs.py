@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["hookspec", "Register", "takes_option", "ChecksArgs", "NeedsValues", "LossDefaults", "NeedsRefLogprobs",
            "ClosingRolloutFn", "BackgroundEngine", "LoraEngine", "ServerLauncher", "is_server_launcher",
            "ProtocolLauncher", "MemorySaverLauncher", "RoutedExpertsLauncher", "DescribedSandbox", "CheckedSandbox",
-           "HostedSandbox", "RayBackend", "ClosingTransport", "DiskTransportSwitch", "SnapshotTransport",
+           "HostedSandbox", "RayBackend", "uses_ray", "ClosingTransport", "DiskTransportSwitch", "SnapshotTransport",
            "RewindableLogger"]
 
 hookspec = pluggy.HookspecMarker("miles")
@@ -350,6 +350,11 @@ class RayBackend(Protocol):
 
     @property
     def ray_cpus(self) -> float: ...
+
+
+def uses_ray(backend: Any) -> bool:
+    """Whether a backend (an instance or its class) trains on Ray actors."""
+    return isinstance(backend, RayBackend) and bool(backend.uses_ray)
 
 
 @hookspec

@@ -16,7 +16,7 @@ from miles.config.keys import keys
 from miles.config.schema import (COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES, EvalDatasetConfig, component_node,
                                  schema_keys, split_node)
 from miles.errors import ConfigError
-from miles.hookspecs import ChecksArgs, NeedsValues, RayBackend, is_server_launcher
+from miles.hookspecs import ChecksArgs, NeedsValues, is_server_launcher, uses_ray
 from miles.registry import KINDS, Registry, nested_nodes
 
 __all__ = ["validate_config", "component_node", "split_node"]
@@ -246,8 +246,7 @@ def _debug_problems(config: DictConfig, registry: Registry) -> list[str]:
         problems.append("rollout.engine.release_memory_during_train: cluster.local_mode runs the engine in this "
                         "process, where it keeps its memory; set it to false")
     backend = component_node(config.backend)
-    backend_cls = registry.get("backend", backend["name"]).obj
-    if isinstance(backend_cls, RayBackend) and backend_cls.uses_ray:
+    if uses_ray(registry.get("backend", backend["name"]).obj):
         problems.append(f"backend: {backend['name']!r} trains in Ray worker processes (backend.world_size="
                         f"{backend.get('world_size', 1)}) and cannot run in this process (cluster.local_mode); use "
                         f"backend.name=torch")

@@ -25,11 +25,11 @@ from miles.config.schema import EvalDatasetConfig, EvalSamplingConfig
 from miles.config.validate import component_node, split_node
 from miles.loop.distill import check_teacher
 from miles.errors import ConfigError, DataError
-from miles.hookspecs import LoraEngine
+from miles.hookspecs import LoraEngine, uses_ray
 from miles.loop.evaluation import EvalSet, read_eval_sets
 from miles.models.hf import build_model_dir, context_length, load_tokenizer, read_chat_template
 from miles.rollout.data_source import Prompt, encode_rows, read_rows
-from miles.train.assemble import build_backend, uses_ray
+from miles.train.assemble import build_backend
 
 __all__ = ["Staged", "chat_format", "eval_inputs", "preflight", "run_tokenizer"]
 

@@ -8,14 +8,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from miles.config.validate import component_node
-from miles.hookspecs import RayBackend, NeedsValues
+from miles.hookspecs import NeedsValues, uses_ray
 
-__all__ = ["build_backend", "uses_ray", "setup_backend", "rl_backend"]
-
-
-def uses_ray(backend: Any) -> bool:
-    """Whether ``backend`` (an instance or its class) trains on Ray actors (:class:`miles.hookspecs.RayBackend`)."""
-    return isinstance(backend, RayBackend) and bool(backend.uses_ray)
+__all__ = ["build_backend", "setup_backend", "rl_backend"]
 
 
 def build_backend(p: Any, ray_cluster: Callable[[], Any] | None = None, *, where: str = "backend",

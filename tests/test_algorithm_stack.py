@@ -89,9 +89,9 @@ def test_a_custom_loss_plugin_receives_new_and_old_logprobs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo",
-                                       "ppo"])
+@pytest.mark.parametrize("estimator", ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"])
 def test_every_estimator_trains_the_quickstart(estimator, tmp_path):
+    """grpo, the quickstart's own, is tests/test_quickstart.py::test_quickstart_learns."""
     summary = train(prepare(CONFIG, [f"run.dir={tmp_path}", "run.progress=false", f"advantage.name={estimator}",
                                      "run.eval_size=0"]))
     assert summary["reward_end"] - summary["reward_start"] >= 0.2, summary

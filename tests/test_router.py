@@ -3,11 +3,16 @@
 An engine is SIGKILLed at each moment where it can fail (a request, a weight push, its catch-up, an
 abort, a pause, a health check). The moment is held deterministically: a gated engine (this file run
 as a script) leaves requests to one path unanswered and says so on stdout, and the test kills it then.
+
+The gated engines are forked from one process of this file that has already imported the engine (a zygote),
+so that the thirty engine processes these tests start and kill each start in a fraction of a second instead
+of importing torch and transformers anew: each is still a process of its own, serving the real engine.
 """
 
 import asyncio
 import concurrent.futures
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -168,9 +173,98 @@ def test_standalone_router_serves_one_address(engines):
 def spawn_gated_engine(model_dir, port, hold=""):
     """A real engine that leaves every request to ``hold`` unanswered (until POST /test_release) and
     prints "held PATH" for each; it prints "ready" once it serves."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, __file__, str(model_dir), str(port), hold], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return _zygote().fork(model_dir, port, hold)
+
+
+class ForkedEngine:
+    """A gated engine forked by the zygote, with the part of ``subprocess.Popen`` the tests use. It is not this
+    process's child: its exit is watched through a pidfd, and its status is the kernel's to discard (the zygote
+    ignores SIGCHLD), so ``returncode`` is -1 once it has exited."""
+
+    def __init__(self, pid, stdout):
+        self.pid, self.stdout, self.returncode = pid, stdout, None
+        self._exited = os.pidfd_open(pid)
+
+    def poll(self):
+        if self.returncode is None and select.select([self._exited], [], [], 0)[0]:
+            self.returncode = -1
+            os.close(self._exited)
+            self.stdout.close()
+        return self.returncode
+
+    def wait(self, timeout=60):
+        if self.returncode is None:
+            assert select.select([self._exited], [], [], timeout)[0], f"engine {self.pid} still runs"
+        return self.poll()
+
+    def send_signal(self, sig):
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """This file run with ``--zygote``: it imports the engine once, then forks a gated engine for each line
+    ``FIFO MODEL_DIR PORT HOLD`` on its stdin (the engine's stdout is the FIFO) and answers with its pid."""
+
+    def __init__(self, tmp_dir):
+        self.tmp_dir, self.count = tmp_dir, 0
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--zygote"], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "zygote ready"
+
+    def fork(self, model_dir, port, hold):
+        self.count += 1
+        fifo = self.tmp_dir / f"engine-{self.count}.out"
+        os.mkfifo(fifo)
+        self.proc.stdin.write(f"{fifo} {model_dir} {port} {hold or '-'}\n")
+        self.proc.stdin.flush()
+        pid = int(self.proc.stdout.readline())
+        return ForkedEngine(pid, open(fifo))  # opens once the engine has opened its end
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _zygote_main():
+    import miles.engine.local  # noqa: F401  (what makes an engine slow to start: imported once, here)
+    import miles.engine.server  # noqa: F401
+    import aiohttp.web  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the engines
+    print("zygote ready", flush=True)
+    for line in sys.stdin:
+        fifo, model_dir, port, hold = line.split()
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            out = os.open(fifo, os.O_WRONLY)
+            os.dup2(out, 1)
+            sys.stdout = open(1, "w", closefd=False)
+            os.close(0)
+            try:
+                _serve_gated(model_dir, port, "" if hold == "-" else hold)
+            finally:
+                os._exit(1)
+        print(pid, flush=True)
+
+
+_ZYGOTE = []
+
+
+def _zygote():
+    return _ZYGOTE[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def zygote(tmp_path_factory):
+    _ZYGOTE.append(Zygote(tmp_path_factory.mktemp("zygote")))
+    yield _ZYGOTE[0]
+    _ZYGOTE.pop().close()
 
 
 def serving(proc):
@@ -461,4 +555,4 @@ def test_no_engine_left_fails_at_once_naming_the_engines(engines):
 
 
 if __name__ == "__main__":
-    _serve_gated(*sys.argv[1:4])
+    _zygote_main()

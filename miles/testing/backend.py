@@ -37,10 +37,10 @@ class BackendConformance:
         for backend in self._made:
             backend.shutdown()
 
-    def _ready(self, model_dir: Path, ref: bool = False, **split: Any) -> Any:
+    def _ready(self, model_dir: Path, **split: Any) -> Any:
         backend = self.make_backend(**split)
         self._made.append(backend)
-        backend.setup(str(model_dir), seed=0, **({"ref_model_path": str(model_dir)} if ref else {}))
+        backend.setup(str(model_dir), seed=0)
         return backend
 
     def _step(self, model_dir: Path, batch: Any, loss_fn: Any, **split: Any) -> dict[str, float]:
@@ -50,24 +50,40 @@ class BackendConformance:
         backend.shutdown()
         return metrics
 
-    def test_step_metrics_include_the_required_figures(self, tiny_model_dir: Path) -> None:
+    @fixture(scope="class")
+    @classmethod
+    def first_step(cls, tiny_model_dir: Path, tmp_path_factory: Any) -> dict[str, Any]:
+        """One fresh backend taken through its first step, observed on the way and shut down: its export and
+        log-probs before training, the step's metrics, its export after and a ``save_pretrained`` directory.
+        The checks below each read their part (starting a backend costs seconds: once per class)."""
+        from transformers import AutoTokenizer
+
         from miles.train.losses import ppo_clip
 
-        backend = self._ready(tiny_model_dir)
-        metrics = backend.train_step(make_train_batch(), ppo_clip)
+        batch, out = make_train_batch(), tmp_path_factory.mktemp("first-step") / "out"
+        backend = cls().make_backend()
+        try:
+            backend.setup(str(tiny_model_dir), seed=0, ref_model_path=str(tiny_model_dir))
+            before = {k: v.detach().cpu().clone() for k, v in backend.export_weights().items()}
+            logprobs, ref = backend.compute_logprobs(batch), backend.ref_logprobs(batch)
+            metrics = backend.train_step(make_train_batch(), ppo_clip)
+            after = {k: v.detach().cpu().clone() for k, v in backend.export_weights().items()}
+            backend.save_pretrained(str(out), AutoTokenizer.from_pretrained(tiny_model_dir), {"step": 1})
+        finally:
+            backend.shutdown()
+        return {"batch": batch, "before": before, "logprobs": logprobs, "ref": ref, "metrics": metrics,
+                "after": after, "saved": out}
+
+    def test_step_metrics_include_the_required_figures(self, first_step: dict[str, Any]) -> None:
         required = {"train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/clip_frac",
                     "train/rollout_logprob_abs_diff", "train/lr"}
-        assert required <= set(metrics), sorted(required - set(metrics))
-        backend.shutdown()
+        assert required <= set(first_step["metrics"]), sorted(required - set(first_step["metrics"]))
 
-    def test_logprobs_match_a_transformers_forward(self, tiny_model_dir: Path) -> None:
+    def test_logprobs_match_a_transformers_forward(self, tiny_model_dir: Path, first_step: dict[str, Any]) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        batch = make_train_batch()
-        backend = self._ready(tiny_model_dir, ref=True)
-        logprobs, ref = backend.compute_logprobs(batch), backend.ref_logprobs(batch)
-        backend.shutdown()
+        batch, logprobs, ref = first_step["batch"], first_step["logprobs"], first_step["ref"]
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         with torch.no_grad():
             logits = model(input_ids=batch.input_ids).logits[:, :-1].float()
@@ -97,44 +113,34 @@ class BackendConformance:
             assert (tensor - expected_weights[name]).abs().max() <= self.resume_tolerance, name
         resumed.shutdown()
 
-    def test_train_step_reports_metrics_and_changes_weights(self, tiny_model_dir: Path) -> None:
+    def test_train_step_reports_metrics_and_changes_weights(self, first_step: dict[str, Any]) -> None:
         import math
 
         import torch
 
-        from miles.train.losses import ppo_clip
-
-        backend = self._ready(tiny_model_dir)
-        before = {k: v.clone() for k, v in backend.export_weights().items()}
-        metrics = backend.train_step(make_train_batch(), ppo_clip)
+        metrics, before, after = first_step["metrics"], first_step["before"], first_step["after"]
         assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["train/grad_norm"])
-        after = backend.export_weights()
+        assert before.keys() == after.keys()
         assert any(not torch.equal(before[k], after[k]) for k in before)
-        backend.shutdown()
 
-    def test_exported_weights_match_the_hf_model(self, tiny_model_dir: Path) -> None:
+    def test_exported_weights_match_the_hf_model(self, tiny_model_dir: Path, first_step: dict[str, Any]) -> None:
+        import torch
         from transformers import AutoModelForCausalLM
 
-        backend = self._ready(tiny_model_dir)
         reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-        exported = backend.export_weights()
+        exported = first_step["before"]
         assert {k: tuple(v.shape) for k, v in exported.items()} == {k: tuple(v.shape) for k, v in reference.items()}
-        backend.shutdown()
+        for name, tensor in exported.items():  # before any step: the weights the backend loaded
+            assert torch.equal(tensor, reference[name]), name
 
-    def test_save_pretrained_loads_with_transformers(self, tiny_model_dir: Path, tmp_path: Path) -> None:
+    def test_save_pretrained_loads_with_transformers(self, first_step: dict[str, Any]) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
-        from miles.train.losses import ppo_clip
-
-        backend = self._ready(tiny_model_dir)
-        backend.train_step(make_train_batch(), ppo_clip)
-        backend.save_pretrained(str(tmp_path / "out"), AutoTokenizer.from_pretrained(tiny_model_dir), {"step": 1})
-        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
-        for name, tensor in backend.export_weights().items():
-            assert torch.equal(loaded[name], tensor.cpu()), name
-        assert (tmp_path / "out" / "miles.json").is_file()
-        backend.shutdown()
+        loaded = AutoModelForCausalLM.from_pretrained(first_step["saved"]).state_dict()
+        for name, tensor in first_step["after"].items():
+            assert torch.equal(loaded[name], tensor), name
+        assert (first_step["saved"] / "miles.json").is_file()
 
     def test_same_seed_same_step(self, tiny_model_dir: Path) -> None:
         from miles.train.losses import ppo_clip

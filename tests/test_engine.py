@@ -158,6 +158,23 @@ def test_abort_returns_what_was_generated(engine):
     assert len(answer["meta_info"]["output_token_logprobs"]) == len(answer["output_ids"])
 
 
+def test_an_abort_reaches_a_request_taken_off_the_queue_but_not_yet_admitted(engine):
+    """The engine takes requests off its queue, then admits them under its step lock: an abort in between
+    (a weight update's, in rollout.async.update=abort) still ends them, before they sample a token."""
+    async def go():
+        with engine.batcher.step_lock:  # hold the engine between taking the request and admitting it
+            task = asyncio.ensure_future(engine.generate([4, 13, 5, 14], {"max_new_tokens": 8, "ignore_eos": True},
+                                                         rid="r1"))
+            while not engine.batcher._admitting:
+                await asyncio.sleep(0.001)
+            assert engine.abort("r1") == 1
+        return await task
+
+    answer = asyncio.run(go())
+    assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+    assert answer["output_ids"] == []
+
+
 def test_inline_engine_generates_each_turn_in_the_calling_thread(tiny_model_dir):
     """The in-process default: no worker thread; a turn's requests run to completion, batched."""
     engine = LocalEngine(seed=1)

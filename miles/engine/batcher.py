@@ -80,6 +80,7 @@ class ContinuousBatcher:
                       "prefill_tokens_requested": 0, "prefill_tokens_computed": 0, "prefix_cache_tokens": 0}
         self._cond = threading.Condition()
         self._queue: list[Request] = []
+        self._admitting: list[Request] = []  # taken off the queue, not yet rows: an abort must still reach them
         self._paused = False
         self._closed = False
         self._rows: list[Request] = []
@@ -106,7 +107,8 @@ class ContinuousBatcher:
     def abort(self, rid: str | None = None) -> int:
         """Finish the request ``rid`` (every request when None) with what it has so far."""
         with self._cond:
-            hits = [r for r in self._queue + self._rows if rid is None or r.rid == rid]
+            pending = {id(r): r for r in self._queue + self._admitting + self._rows}
+            hits = [r for r in pending.values() if rid is None or r.rid == rid]
             for r in hits:
                 r.aborted = True
             self._cond.notify()
@@ -162,10 +164,12 @@ class ContinuousBatcher:
             self._queue = [r for r in self._queue if not self._finish_if_aborted(r)]
             room = 0 if self._paused else max(0, self.max_batch_size - len(self._rows))
             admitted, self._queue = self._queue[:room], self._queue[room:]
+            self._admitting = admitted
             paused = self._paused
         with self.step_lock:
             try:
                 self._retire_aborted()
+                admitted = [r for r in admitted if not self._finish_if_aborted(r)]  # aborted on the way
                 if admitted:
                     self._admit(admitted)
                 if self._rows and not paused:
@@ -176,6 +180,9 @@ class ContinuousBatcher:
                         r.finish = {"type": "abort", "message": f"{type(exc).__name__}: {exc}"}
                         r.deliver(self._answer(r))
                 self._reset()
+            finally:
+                with self._cond:
+                    self._admitting = []
 
     def _reset(self) -> None:
         self._rows, self._cache = [], None

@@ -355,6 +355,29 @@ def test_pause_holds_requests_and_abort_answers_them(server):
     assert call(server, "/abort_request", {})[0] == 400
 
 
+def test_a_client_that_disconnects_has_its_request_aborted(server):
+    """``miles engine serve``: a client that closes its connection while its request waits (held by the pause)
+    has it aborted before it runs; the engine's counters say so."""
+    before = engine_stats(server)
+    port = int(server.rsplit(":", 1)[1])
+    data = json.dumps({"input_ids": [4, 13, 5, 14], "sampling_params": GREEDY}).encode()
+    assert call(server, "/pause_generation", {})[1]["success"]
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            wait_for(lambda: engine_stats(server)["waiting_requests"] == 1, "the request to wait in the engine")
+        wait_for(lambda: engine_stats(server)["requests_cancelled"] == before["requests_cancelled"] + 1,
+                 "the engine to hear of the disconnect")
+    finally:
+        assert call(server, "/continue_generation", {})[1]["success"]
+    wait_for(lambda: engine_stats(server)["requests_aborted"] == before["requests_aborted"] + 1,
+             "the request to be aborted")
+    after = engine_stats(server)
+    assert (after["prefill_batches"], after["decode_steps"]) == (before["prefill_batches"], before["decode_steps"])
+    assert after["waiting_requests"] == after["running_requests"] == 0
+
+
 @pytest.mark.parametrize("how", ["env", "flag"])
 def test_admin_token_guards_admin_endpoints_on_loopback_too(tiny_model_dir, miles_cli, tmp_path, how):
     args, env = ((["--admin-token", "s3cret"], {"MILES_ADMIN_TOKEN": ""}) if how == "flag"

@@ -13,51 +13,24 @@ admission are computed once. Prompts are held after prefill, and prompt + output
 from __future__ import annotations
 
 import contextlib
-import itertools
+import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
+from miles.engine.kv_layout import left_pad, pack, past_block
 from miles.engine.prefix_cache import PrefixCache
-from miles.engine.sampling import SamplingParams, sample_next
+from miles.engine.request import Request, answer, clear_outputs, plain_answer
+from miles.engine.sampling import sample_next
 from miles.models.hf import exact_logprobs
-from miles.models.moe import encode_routed_experts, moe_layout, routing
+from miles.models.moe import moe_layout, routing
 
 __all__ = ["ContinuousBatcher", "Request"]
 
-_ids = itertools.count()
-
-
-@dataclass(eq=False)
-class Request:
-    prompt: list[int]
-    params: SamplingParams
-    deliver: Callable[[dict[str, Any]], None]  # called from the worker thread with the answer
-    return_logprob: bool = True
-    rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
-    # SGLang's extra log-prob outputs (with return_logprob): prompt log-probs from this position (-1: none),
-    # the top-k alternatives at each position, and (on its own) the entropy of each next-token distribution
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_entropy: bool = False
-    return_routed_experts: bool = False  # MoE models: the expert ids of every token fed (prompt, outputs but the last)
-    budget: int = 0
-    stop_ids: tuple[int, ...] = ()
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
-    output_entropy: list[float] = field(default_factory=list)
-    routed: list[torch.Tensor] = field(default_factory=list)  # [tokens, num_layers * top_k] per forward pass
-    output_versions: list[int] = field(default_factory=list)  # the weight version that sampled each output token
-    input_logprobs: list[float | None] = field(default_factory=list)  # from logprob_start_len; None: first token
-    input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
-    aborted: bool = False
-    epoch: int = 0  # the prefix cache's epoch at admission: K/V from older weights are never stored
+_log = logging.getLogger(__name__)
 
 
 class ContinuousBatcher:
@@ -75,9 +48,11 @@ class ContinuousBatcher:
         self.moe = moe_layout(model)  # None for a dense model
         self._epoch = 0  # bumped by each clear of the prefix cache
         # prefill_tokens_requested: prompt tokens admitted; _computed: those run through the model (the rest came
-        # from the prefix cache); prefix_cache_tokens: held now
-        self.stats = {"prefill_batches": 0, "decode_steps": 0, "requests_finished": 0,
-                      "prefill_tokens_requested": 0, "prefill_tokens_computed": 0, "prefix_cache_tokens": 0}
+        # from the prefix cache); prefix_cache_tokens: held now; requests_aborted: answered early by an abort (a
+        # client that went away included); requests_failed: answered early because processing them raised
+        self.stats = {"prefill_batches": 0, "decode_steps": 0, "requests_finished": 0, "requests_aborted": 0,
+                      "requests_failed": 0, "prefill_tokens_requested": 0, "prefill_tokens_computed": 0,
+                      "prefix_cache_tokens": 0}
         self._cond = threading.Condition()
         self._queue: list[Request] = []
         self._admitting: list[Request] = []  # taken off the queue, not yet rows: an abort must still reach them
@@ -89,6 +64,7 @@ class ContinuousBatcher:
         # [B] position of each row's pending token
         self._next_pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self._pending = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] sampled, not yet fed
+        self._settings = self._settings_of([])  # [B] each: temperature, top_p, top_k of each row
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._run, name="miles-engine", daemon=True)
@@ -99,7 +75,7 @@ class ContinuousBatcher:
     def submit(self, requests: list[Request]) -> None:
         for r in requests:
             r.budget = min(r.params.max_new_tokens, self.context_length - len(r.prompt))
-            r.stop_ids = tuple(r.params.stop_token_ids) + (() if r.params.ignore_eos else (self.eos,))
+            r.stop_ids = frozenset(r.params.stop_token_ids) | (frozenset() if r.params.ignore_eos else {self.eos})
         with self._cond:
             self._queue.extend(requests)
             self._cond.notify()
@@ -113,6 +89,12 @@ class ContinuousBatcher:
                 r.aborted = True
             self._cond.notify()
         return len(hits)
+
+    def cancel(self, request: Request) -> None:
+        """Abort ``request`` itself (its caller went away), wherever it is: queued, being admitted or running."""
+        with self._cond:
+            request.aborted = True
+            self._cond.notify()
 
     def pause(self) -> None:
         with self._cond:
@@ -159,7 +141,9 @@ class ContinuousBatcher:
             self._iteration()
 
     def _iteration(self) -> None:
-        """Retire aborted rows, admit what fits, take one decode step."""
+        """Retire aborted rows, admit what fits, take one decode step. An error raised for one request fails that
+        request only (see :meth:`_admit_each` and :meth:`_retire`); what is left is the running batch's own
+        forward pass, whose failure fails the rows in flight: the engine serves on."""
         with self._cond:
             self._queue = [r for r in self._queue if not self._finish_if_aborted(r)]
             room = 0 if self._paused else max(0, self.max_batch_size - len(self._rows))
@@ -171,14 +155,15 @@ class ContinuousBatcher:
                 self._retire_aborted()
                 admitted = [r for r in admitted if not self._finish_if_aborted(r)]  # aborted on the way
                 if admitted:
-                    self._admit(admitted)
+                    self._admit_each(admitted)
                 if self._rows and not paused:
                     self._decode()
-            except Exception as exc:  # fail what is in flight; keep serving
+            except Exception as exc:  # the batch's step, not one request's: fail what is in flight; keep serving
+                _log.exception("a decode step of %d rows failed; their requests are answered with an abort",
+                               len(self._rows))
                 for r in admitted + self._rows:
                     if r.finish is None:
-                        r.finish = {"type": "abort", "message": f"{type(exc).__name__}: {exc}"}
-                        r.deliver(self._answer(r))
+                        self._fail(r, exc)
                 self._reset()
             finally:
                 with self._cond:
@@ -189,6 +174,35 @@ class ContinuousBatcher:
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self._next_pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self._pending = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._settings = self._settings_of([])
+
+    def _settings_of(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B] each: the temperature, top_p and top_k of ``requests``, made once when they are admitted."""
+        params = [r.params for r in requests]
+        return (torch.tensor([float(p.temperature) for p in params], dtype=torch.float32, device=self.device),
+                torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=self.device),
+                torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device))
+
+    def _fail(self, r: Request, exc: Exception) -> None:
+        """Answer ``r`` early with an abort naming ``exc`` (raised while processing it)."""
+        r.finish = {"type": "abort", "message": f"{type(exc).__name__}: {exc}"}
+        self.stats["requests_failed"] += 1
+        self._deliver(r, failed=True)
+
+    def _deliver(self, r: Request, text: str | None = None, *, failed: bool = False) -> None:
+        """Hand ``r``'s answer to its caller. Making the answer may raise for this request alone (its text,
+        its log-probs computed again): it is then answered with what it has and an abort naming the error."""
+        try:
+            reply = self._answer(r, text)
+        except Exception as exc:
+            _log.exception("answering request %s failed", r.rid)
+            self.stats["requests_failed"] += 0 if failed else 1  # counted once
+            r.finish = {"type": "abort", "message": f"{type(exc).__name__}: {exc}"}
+            reply = plain_answer(r, self.version())
+        try:
+            r.deliver(reply)
+        except Exception:  # the caller's own callback: nothing more to tell it
+            _log.exception("delivering the answer of request %s failed", r.rid)
 
     def _has_aborted(self) -> bool:
         return any(r.aborted and r.finish is None for r in self._queue + self._rows)
@@ -196,7 +210,8 @@ class ContinuousBatcher:
     def _finish_if_aborted(self, r: Request) -> bool:
         if r.aborted and r.finish is None:
             r.finish = {"type": "abort", "message": "aborted"}
-            r.deliver(self._answer(r))
+            self.stats["requests_aborted"] += 1
+            self._deliver(r)
         return r.aborted
 
     def _retire_aborted(self) -> None:
@@ -204,6 +219,40 @@ class ContinuousBatcher:
             for r in self._rows:
                 self._finish_if_aborted(r)
             self._keep([i for i, r in enumerate(self._rows) if not r.aborted])
+
+    def _admit_each(self, requests: list[Request]) -> None:
+        """Admit ``requests`` together; when that raises, each alone, so that a request whose admission raises
+        (parameters out of range, a prompt the model cannot take) fails by itself. A failed admission leaves the
+        running batch as it was."""
+        ready = []
+        for r in requests:
+            try:
+                r.params.check()  # parse checked them; a Request made directly may hold anything
+            except Exception as exc:
+                self._fail(r, exc)
+            else:
+                ready.append(r)
+        first = len(self._rows)
+        try:
+            if ready:
+                self._admit(ready)
+        except Exception as exc:
+            if len(ready) == 1:
+                self._fail_admission(ready[0], exc)
+            else:
+                _log.warning("admitting %d requests together failed (%s: %s); admitting them one by one",
+                             len(ready), type(exc).__name__, exc)
+                for r in ready:
+                    try:
+                        self._admit([r])
+                    except Exception as alone:
+                        self._fail_admission(r, alone)
+        self._retire(first)  # those that finished at their first token
+
+    def _fail_admission(self, r: Request, exc: Exception) -> None:
+        _log.warning("request %s failed at admission: %s: %s", r.rid, type(exc).__name__, exc)
+        clear_outputs(r)  # it generated nothing
+        self._fail(r, exc)
 
     @torch.inference_mode()
     def _admit(self, requests: list[Request]) -> None:
@@ -213,8 +262,12 @@ class ContinuousBatcher:
         token gives the next-token logits): the held K/V sit right-aligned in a past block as wide as the longest
         hit, the uncached suffixes follow left-padded, and the mask has a hole between a row's prefix and its
         suffix; positions count from h. Afterwards each row's attended columns are packed to the right, so the
-        running batch looks as if the prompts had been prefilled whole.
+        running batch looks as if the prompts had been prefilled whole. Until the merge at the end, nothing of the
+        running batch changes: a request that makes this raise can be admitted again, alone.
         """
+        for r in requests:
+            clear_outputs(r)
+        settings = self._settings_of(requests)
         prompt_logprobs = [r.return_logprob and r.logprob_start_len >= 0 for r in requests]
         # computed whole: prompt log-probs, or expert ids (the prefix cache holds K/V, not routing)
         wanted = [p or r.return_routed_experts for r, p in zip(requests, prompt_logprobs)]
@@ -238,7 +291,7 @@ class ContinuousBatcher:
         ids = torch.tensor([[self.pad] * (width - len(s)) + s for s in suffixes], device=self.device)
         mask = torch.tensor([[0] * (past - h) + [1] * h + [0] * (width - len(s)) + [1] * len(s)
                              for (h, _), s in zip(hits, suffixes)], device=self.device)
-        cache = DynamicCache(_past_block(hits, past)) if past else DynamicCache()
+        cache = DynamicCache(past_block(hits, past)) if past else DynamicCache()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
         with self._routing(requests) as record:
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
@@ -248,9 +301,6 @@ class ContinuousBatcher:
             for r, u in zip(requests, of):
                 if r.return_routed_experts:  # computed whole: the prompt is the suffix
                     r.routed.append(routed[u, width - len(r.prompt):].cpu())
-        self.stats["prefill_batches"] += 1
-        self.stats["prefill_tokens_requested"] += sum(len(r.prompt) for r in requests)
-        self.stats["prefill_tokens_computed"] += sum(len(s) for s in suffixes)
         for r, u, p in zip(requests, of, prompt_logprobs):
             if p:  # computed whole: the prompt is the suffix
                 self._prompt_logprobs(r, logits[u, width - len(r.prompt) : width - 1].float())
@@ -260,22 +310,34 @@ class ContinuousBatcher:
             for u, r in enumerate(unique):
                 self._store(r.prompt, cache, u, mask[u])
             if past or len(unique) < len(requests):
-                mask = _pack(cache, mask, of, max(len(r.prompt) for r in requests))
+                mask = pack(cache, mask, of, max(len(r.prompt) for r in requests))
                 logits = logits[of]
-        tokens = self._sample(logits[:, -1, :].float(), requests)
+        tokens = self._sample(logits[:, -1, :].float(), requests, settings)
         next_pos = torch.tensor([len(r.prompt) for r in requests], device=self.device)
+        self._merge(requests, cache, mask, next_pos, tokens, settings)
+        self.stats["prefill_batches"] += 1
+        self.stats["prefill_tokens_requested"] += sum(len(r.prompt) for r in requests)
+        self.stats["prefill_tokens_computed"] += sum(len(s) for s in suffixes)
+
+    def _merge(self, requests: list[Request], cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
+               tokens: torch.Tensor, settings: tuple[torch.Tensor, ...]) -> None:
+        """Append the prefilled ``requests`` to the running batch; everything is made before anything is replaced."""
         if self._cache is None:
             self._cache, self._mask, self._next_pos, self._pending = cache, mask, next_pos, tokens
-        else:
-            span = max(self._mask.shape[1], mask.shape[1])
-            for mine, theirs in zip(self._cache.layers, cache.layers):
-                mine.keys = torch.cat([_left_pad(mine.keys, span), _left_pad(theirs.keys, span)])
-                mine.values = torch.cat([_left_pad(mine.values, span), _left_pad(theirs.values, span)])
-            self._mask = torch.cat([_left_pad(self._mask, span), _left_pad(mask, span)])
-            self._next_pos = torch.cat([self._next_pos, next_pos])
-            self._pending = torch.cat([self._pending, tokens])
+            self._settings, self._rows = settings, self._rows + requests
+            return
+        span = max(self._mask.shape[1], mask.shape[1])
+        layers = [(torch.cat([left_pad(mine.keys, span), left_pad(theirs.keys, span)]),
+                   torch.cat([left_pad(mine.values, span), left_pad(theirs.values, span)]))
+                  for mine, theirs in zip(self._cache.layers, cache.layers)]
+        merged_mask = torch.cat([left_pad(self._mask, span), left_pad(mask, span)])
+        merged = [torch.cat([mine, theirs]) for mine, theirs in
+                  zip((self._next_pos, self._pending, *self._settings), (next_pos, tokens, *settings))]
+        for layer, (keys, values) in zip(self._cache.layers, layers):
+            layer.keys, layer.values = keys, values
+        self._mask, (self._next_pos, self._pending, *rest) = merged_mask, merged
+        self._settings = tuple(rest)
         self._rows = self._rows + requests
-        self._retire(len(self._rows) - len(requests))
 
     def _store(self, tokens: list[int], cache: DynamicCache, row: int, mask: torch.Tensor) -> None:
         """Hold ``tokens`` in the prefix cache with their K/V: the columns of ``cache``'s ``row`` that ``mask``
@@ -304,7 +366,7 @@ class ContinuousBatcher:
                     r.routed.append(ids.unsqueeze(0))
         self.stats["decode_steps"] += 1
         self._next_pos = self._next_pos + 1
-        self._pending = self._sample(logits, self._rows)
+        self._pending = self._sample(logits, self._rows, self._settings)
         self._retire(0)
 
     def _routing(self, rows: list[Request]) -> Any:
@@ -324,16 +386,12 @@ class ContinuousBatcher:
         r.input_logprobs = ([None] + chosen)[start:]
         r.input_top = ([None] + top)[start:] if r.top_logprobs_num else []
 
-    def _sample(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: list[Request], settings: tuple[torch.Tensor, ...]) -> torch.Tensor:
         finite = torch.isfinite(logits).all(dim=-1)  # [B]; broken weights fail their rows, not the whole batch
         if not bool(finite.all()):
             logits = torch.where(finite.unsqueeze(1), logits, torch.zeros_like(logits))
-        params = [r.params for r in rows]
-        tokens = sample_next(
-            logits, torch.tensor([float(p.temperature) for p in params], device=self.device),
-            torch.tensor([float(p.top_p) for p in params], device=self.device),
-            torch.tensor([p.top_k for p in params], device=self.device), self.generator,
-        )
+        temperature, top_p, top_k = settings
+        tokens = sample_next(logits, temperature, top_p, top_k, self.generator)
         all_logprobs = logits.log_softmax(dim=-1)  # [B, V]
         logprobs = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         k = max((r.top_logprobs_num for r in rows if r.return_logprob), default=0)
@@ -344,6 +402,9 @@ class ContinuousBatcher:
         for i, (r, token, logprob, ok) in enumerate(zip(rows, tokens.tolist(), logprobs, finite.tolist())):
             if not ok:
                 r.finish = {"type": "abort", "message": NON_FINITE}
+                continue
+            if r.budget <= 0:  # max_new_tokens 0: the prompt's log-probs only, as SGLang
+                r.finish = {"type": "length", "length": 0}
                 continue
             r.output_ids.append(token)
             r.output_versions.append(version)
@@ -367,10 +428,16 @@ class ContinuousBatcher:
         if self.prefix_cache is not None:  # the next turn's prompt starts with prompt + output
             for i, r in zip(done, finished):
                 if r.epoch == self._epoch and r.finish["type"] in ("stop", "length") and len(r.output_ids) > 1:
-                    self._store(r.prompt + r.output_ids[:-1], self._cache, i, self._mask[i])  # the last one is not fed
-        texts = self.tokenizer.batch_decode([r.output_ids for r in finished], skip_special_tokens=True)
+                    try:  # the last token is not fed; a prefix not held costs a later prefill, nothing else
+                        self._store(r.prompt + r.output_ids[:-1], self._cache, i, self._mask[i])
+                    except Exception:
+                        _log.exception("holding the prefix of request %s failed", r.rid)
+        try:
+            texts = self.tokenizer.batch_decode([r.output_ids for r in finished], skip_special_tokens=True)
+        except Exception:  # one request's tokens: each is decoded by itself while it is answered
+            texts = [None] * len(finished)
         for r, text in zip(finished, texts):
-            r.deliver(self._answer(r, text))
+            self._deliver(r, text)
         gone = set(done)
         self._keep([i for i in range(len(self._rows)) if i not in gone])
 
@@ -381,6 +448,7 @@ class ContinuousBatcher:
         index = torch.tensor(keep, device=self.device)
         self._rows = [self._rows[i] for i in keep]
         self._mask, self._next_pos, self._pending = self._mask[index], self._next_pos[index], self._pending[index]
+        self._settings = tuple(t[index] for t in self._settings)
         lead = int((self._mask.sum(dim=0) == 0).long().cumprod(0).sum())  # columns no row attends to
         self._mask = self._mask[:, lead:]
         for layer in self._cache.layers:
@@ -398,37 +466,12 @@ class ContinuousBatcher:
 
     def _answer(self, r: Request, text: str | None = None) -> dict[str, Any]:
         self.stats["requests_finished"] += 1
-        n = len(r.output_ids)
-        meta = {
-            "id": r.rid,
-            "prompt_tokens": len(r.prompt),
-            "completion_tokens": n,
-            "finish_reason": r.finish,
-            # the version that sampled the last token (the current one when it sampled none)
-            "weight_version": r.output_versions[-1] if r.output_versions else self.version(),
-        }
-        if r.output_versions and r.output_versions[0] != r.output_versions[-1]:  # an update landed mid-request
-            meta["output_token_weight_versions"] = list(r.output_versions)
+        meta = {}
         if r.return_logprob and self.exact_logprobs and r.output_ids:
             self._rescore(r, meta)
-        if r.return_logprob:  # SGLang's [logprob, token_id, text] triples; the text is filled in on request
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
-            if r.top_logprobs_num:
-                meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in top] for top in r.output_top]
-            if r.logprob_start_len >= 0:
-                prompt = r.prompt[r.logprob_start_len :]
-                meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.input_logprobs, prompt)]
-                if r.top_logprobs_num:
-                    meta["input_top_logprobs"] = [None if top is None else [[lp, t, None] for lp, t in top]
-                                                  for top in r.input_top]
-        if r.return_entropy:
-            meta["output_token_entropy"] = list(r.output_entropy)
-        if r.return_routed_experts:  # SGLang's form: base64 of int32 [tokens fed, num_layers, top_k]
-            meta["routed_experts"] = encode_routed_experts(torch.cat(r.routed) if r.routed else
-                                                           torch.zeros((0, self.moe.width), dtype=torch.int32))
         if text is None:
             text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
+        return answer(r, text, self.version(), self.moe.width if self.moe is not None else None, meta)
 
 
 NON_FINITE = "the model produced non-finite logits (NaN or inf): check the weights"
@@ -438,36 +481,3 @@ def _top(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
     """The ``k`` most likely tokens of each row of ``logprobs`` [N, V], as (logprob, token id) pairs."""
     values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
     return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
-
-
-def _past_block(hits: list[tuple[int, torch.Tensor | None]], past: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each row's held K/V (``[layers, 2, heads, h, dim]``) right-aligned in ``past`` columns: DynamicCache data."""
-    some = next(kv for _, kv in hits if kv is not None)
-    layers, _, heads, _, dim = some.shape
-    block = some.new_zeros(layers, 2, len(hits), heads, past, dim)
-    for row, (h, kv) in enumerate(hits):
-        if h:
-            block[:, :, row, :, past - h :] = kv
-    return [(block[i, 0], block[i, 1]) for i in range(layers)]
-
-
-def _pack(cache: DynamicCache, mask: torch.Tensor, rows: list[int], span: int) -> torch.Tensor:
-    """Make the prefill's cache hold ``rows`` (repeats allowed), each with its attended columns moved to the right
-    end of ``span`` columns, in order (no holes); returns their mask."""
-    index = torch.tensor(rows, device=mask.device)
-    order = mask.argsort(dim=1, stable=True)[index][:, -span:]  # unattended columns first, each kind in order
-    for layer in cache.layers:
-        gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-        layer.keys, layer.values = layer.keys[index].gather(2, gather), layer.values[index].gather(2, gather)
-    return mask[index].gather(1, order)
-
-
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Pad dim 1 (mask) or dim 2 (cache ``[B, H, T, D]``) on the left with zeros up to ``width``."""
-    dim = 1 if t.dim() == 2 else 2
-    missing = width - t.shape[dim]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)

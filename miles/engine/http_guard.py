@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,8 +221,11 @@ async def json_body(request: web.Request) -> dict[str, Any]:
         return {}
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more than 4300 digits
         raise Refused(400, f"body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise Refused(400, "body is nested too deeply to parse (JSON arrays and objects within each other "
+                           f"{sys.getrecursionlimit()} levels or more)") from exc
     if not isinstance(body, dict):
         raise Refused(400, "body must be a JSON object")
     return body

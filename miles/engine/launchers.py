@@ -59,13 +59,13 @@ class EmbeddedLauncher:
         from aiohttp import web
 
         from miles.engine.local import LocalEngine
-        from miles.engine.server import build_app
+        from miles.engine.server import app_runner, build_app
 
         torch.set_num_threads(threads)
         self.engine = LocalEngine(**{**self.engine_args, "background": True})
         self.engine.load_model(model_path)
         loop = asyncio.new_event_loop()
-        runner = web.AppRunner(build_app(self.engine, admin_token))
+        runner = app_runner(build_app(self.engine, admin_token))
         loop.run_until_complete(runner.setup())
         loop.run_until_complete(web.TCPSite(runner, host, port).start())
         threading.Thread(target=loop.run_forever, name="miles-engine-http", daemon=True).start()

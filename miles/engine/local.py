@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from miles.engine.batcher import ContinuousBatcher, Request
-from miles.engine.sampling import SamplingParams
+from miles.engine.batcher import ContinuousBatcher
+from miles.engine.request import Request
+from miles.engine.sampling import SamplingParams, shown
 from miles.models.hf import load_model, load_tokenizer
 from miles.weights.lora import adapter_layers, adapter_problems, is_adapter_payload, merged_weight
 
@@ -66,6 +67,7 @@ class LocalEngine:
         self._lora_base: dict[str, torch.Tensor] = {}
         self.batcher: ContinuousBatcher | None = None
         self._turn: list[Request] = []
+        self.cancelled = 0  # requests whose caller went away before their answer (each aborted in the batcher)
         self._outbox_lock = threading.Lock()
         self._outboxes: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, dict[str, Any]]]] = {}
 
@@ -206,7 +208,7 @@ class LocalEngine:
         if tags is None or tags == []:
             return set(MEMORY_TAGS)
         if not isinstance(tags, list) or any(t not in MEMORY_TAGS for t in tags):
-            raise ValueError(f"tags: expected a list of {', '.join(MEMORY_TAGS)} (or null for all), got {tags!r}")
+            raise ValueError(f"tags: expected a list of {', '.join(MEMORY_TAGS)} (or null for all), got {shown(tags)}")
         return set(tags)
 
     def rng_state(self) -> torch.Tensor:
@@ -226,16 +228,21 @@ class LocalEngine:
             self.batcher.clear_prefix_cache()
 
     def stats(self) -> dict[str, int]:
-        """Counters (requests finished, prefill batches, decode steps, prompt tokens admitted and actually
-        prefilled), the tokens the prefix cache holds, and the current load."""
+        """Counters (requests finished, aborted, failed and cancelled by their caller, prefill batches, decode
+        steps, prompt tokens admitted and actually prefilled), the tokens the prefix cache holds, and the current
+        load."""
         load = self.batcher.load()
-        return {**self.batcher.stats, **load, "waiting_requests": load["waiting_requests"] + len(self._turn)}
+        return {**self.batcher.stats, **load, "waiting_requests": load["waiting_requests"] + len(self._turn),
+                "requests_cancelled": self.cancelled}
 
     def tokenize(self, text: str) -> list[int]:
         """``text`` as the model's tokenizer encodes it (with its special tokens, as SGLang does)."""
         if not isinstance(text, str) or not text:
-            raise ValueError(f"text: expected a non-empty string, got {text!r}")
-        return list(self.tokenizer.encode(text))
+            raise ValueError(f"text: expected a non-empty string, got {shown(text)}")
+        try:
+            return list(self.tokenizer.encode(text))
+        except Exception as exc:  # text Python holds but UTF-8 cannot (a lone surrogate from a JSON escape)
+            raise ValueError(f"text: the tokenizer cannot encode it ({type(exc).__name__}: {exc})") from exc
 
     def pause(self) -> None:
         self.batcher.pause()
@@ -259,7 +266,20 @@ class LocalEngine:
         ``return_routed_experts`` (MoE models) adds ``routed_experts``: SGLang's base64 of int32 expert ids
         ``[tokens, num_layers, top_k]`` of every token fed through the model (the prompt, then the outputs but the
         last; -1 for dense layers); such a request's prompt is computed whole, not from the prefix cache.
+        Cancelling the call aborts the request (see :meth:`run`).
         """
+        return await self.run(self.prepare(
+            input_ids, sampling_params, return_logprob, rid, logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num, return_entropy=return_entropy,
+            return_text_in_logprobs=return_text_in_logprobs, return_routed_experts=return_routed_experts))
+
+    def prepare(
+        self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, return_logprob: bool = True,
+        rid: str | None = None, *, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+        return_entropy: bool = False, return_text_in_logprobs: bool = False, return_routed_experts: bool = False,
+    ) -> Request:
+        """The request :meth:`generate` would make, checked but not scheduled: a batch is checked whole before
+        any of it runs. A ValueError names the bad field; EngineUnavailable says why nothing can run now."""
         if (why := self.refusal()) is not None:
             raise EngineUnavailable(why)
         params = SamplingParams.parse(sampling_params)
@@ -268,6 +288,7 @@ class LocalEngine:
         self._check_prompt(input_ids)
         vocab, start, top = self.model.config.vocab_size, logprob_start_len, top_logprobs_num
         checks = [
+            ("rid", rid, rid is None or isinstance(rid, str), "a string"),
             ("return_logprob", return_logprob, isinstance(return_logprob, bool), "true or false"),
             ("logprob_start_len", start, _is_int(start) and -1 <= start < len(input_ids),
              f"-1 (no prompt log-probs) or a prompt position in [0, {len(input_ids)})"),
@@ -281,19 +302,31 @@ class LocalEngine:
         ]
         for name, value, ok, expected in checks:
             if not ok:
-                raise ValueError(f"{name}: expected {expected}, got {value!r}")
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        request = Request(list(input_ids), params, lambda answer: self._deliver(loop, future, answer), return_logprob,
-                          logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                          return_entropy=return_entropy, return_routed_experts=return_routed_experts)
+                raise ValueError(f"{name}: expected {expected}, got {shown(value)}")
+        request = Request(list(input_ids), params, _unscheduled, return_logprob, logprob_start_len=start,
+                          top_logprobs_num=top, return_entropy=return_entropy,
+                          return_routed_experts=return_routed_experts, return_text_in_logprobs=return_text_in_logprobs)
         if rid is not None:
             request.rid = rid
+        return request
+
+    async def run(self, request: Request) -> dict[str, Any]:
+        """Generate a :meth:`prepare`d request with the others of this event-loop turn. Cancelled (its caller went
+        away: a client that disconnected from the server), it is aborted: queued, it never runs; running, its row
+        leaves the batch at the next step."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        request.deliver = lambda answer: self._deliver(loop, future, answer)
         if not self._turn:
             loop.call_soon(self._submit_turn)
         self._turn.append(request)
-        answer = await future
-        if return_text_in_logprobs:
+        try:
+            answer = await future
+        except asyncio.CancelledError:
+            self.batcher.cancel(request)
+            self.cancelled += 1  # after: whoever reads the count finds the request marked
+            raise
+        if request.return_text_in_logprobs:
             self._fill_logprob_texts(answer["meta_info"])
         return answer
 
@@ -342,12 +375,16 @@ class LocalEngine:
         vocab = self.model.config.vocab_size
         bad = [t for t in input_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"input_ids: token ids must be integers in [0, {vocab}), got {bad[:5]}")
+            raise ValueError(f"input_ids: token ids must be integers in [0, {vocab}), got {shown(bad[:5])}")
         if len(input_ids) >= self.context_length:
             raise ValueError(
                 f"input_ids: prompt of {len(input_ids)} tokens does not fit the context of "
                 f"{self.context_length} tokens"
             )
+
+
+def _unscheduled(answer: dict[str, Any]) -> None:
+    raise RuntimeError("a prepared request is answered only once LocalEngine.run schedules it")
 
 
 class EngineUnavailable(RuntimeError):

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-__all__ = ["SamplingParams", "sample_next"]
+__all__ = ["SamplingParams", "sample_next", "shown", "MAX_SAMPLES", "MAX_TOP_K"]
+
+
+# The largest values the engine takes: top_k as SGLang keeps it (int32), and the samples one request may ask for
+MAX_TOP_K = 2**31 - 1
+MAX_SAMPLES = 1 << 16
+MAX_TOKEN_ID = 2**63 - 1
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # more than the context has room for: the rest of the context
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -24,48 +32,97 @@ class SamplingParams:
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> "SamplingParams":
         """Parse SGLang-style ``sampling_params``; a ValueError names the offending field."""
-        try:
-            key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (params or {}).items()))
-            cached = _PARSED.get(key)
-        except TypeError:  # unhashable values: parse (and fail) below
-            key, cached = None, None
+        try:  # the JSON text tells 1 from 1.0 and true, which a dict key would not
+            key = json.dumps(params, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):  # not plain JSON: parse (and likely fail) below
+            key = None
+        cached = _PARSED.get(key) if key is not None else None
         if cached is None:
             cached = cls._parse(params)
-            if key is not None and len(_PARSED) < 1024:
+            if key is not None and len(key) <= 1024 and len(_PARSED) < 1024:
                 _PARSED[key] = cached
         return cached
 
     @classmethod
     def _parse(cls, params: dict[str, Any] | None) -> "SamplingParams":
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"sampling_params: expected a JSON object, got {shown(params)}")
         params = dict(params or {})
         for name in sorted(set(params) & set(SGLANG_NEUTRAL)):
             value, neutral = params.pop(name), SGLANG_NEUTRAL[name]
-            if value != neutral and not (neutral is None and value in ("", [], {})):
+            if not _is_neutral(value, neutral):
                 raise ValueError(f"sampling_params.{name}: the embedded engine supports only {json.dumps(neutral)} "
-                                 f"(SGLang's default), got {json.dumps(value, default=repr)}")
+                                 f"(SGLang's default), got {shown(value, as_json=True)}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
             raise ValueError(
-                f"sampling_params: unknown parameter(s) {', '.join(map(repr, unknown))}; "
+                f"sampling_params: unknown parameter(s) {', '.join(shown(k) for k in unknown[:10])}; "
                 f"supported: {', '.join(sorted(known))}, and SGLang's other parameters at their defaults"
             )
-        out = cls(**{**params, "stop_token_ids": tuple(params.get("stop_token_ids") or ())})
-        checks = [
-            ("max_new_tokens", isinstance(out.max_new_tokens, int) and out.max_new_tokens >= 0, "an integer >= 0"),
-            ("temperature", isinstance(out.temperature, (int, float)) and out.temperature >= 0, "a number >= 0"),
-            ("top_p", isinstance(out.top_p, (int, float)) and 0 < out.top_p <= 1, "a number in (0, 1]"),
-            ("top_k", isinstance(out.top_k, int) and (out.top_k == -1 or out.top_k >= 1), "-1 or an integer >= 1"),
-            ("n", isinstance(out.n, int) and out.n >= 1, "an integer >= 1"),
-            ("stop_token_ids", all(isinstance(t, int) for t in out.stop_token_ids), "a list of token ids"),
-        ]
-        for name, ok, expected in checks:
-            if not ok:
-                raise ValueError(f"sampling_params.{name}: expected {expected}, got {getattr(out, name)!r}")
+        stop = params.get("stop_token_ids")
+        if stop is not None and not isinstance(stop, (list, tuple)):
+            raise ValueError(f"sampling_params.stop_token_ids: expected a list of token ids, got {shown(stop)}")
+        out = cls(**{**params, "stop_token_ids": tuple(stop or ())})
+        out.check()
         return out
 
+    def check(self) -> None:
+        """Every parameter in its range; a ValueError names the first that is not (also for parameters made
+        directly, which :meth:`parse` did not see)."""
+        for name, expected, ok in _CHECKS:
+            value = getattr(self, name)
+            if not ok(value):
+                raise ValueError(f"sampling_params.{name}: expected {expected}, got {shown(value)}")
 
-_PARSED: dict[tuple, SamplingParams] = {}
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite_number(value: Any) -> bool:
+    """An int or float that is finite as a float (a JSON integer may be too large for one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _is_neutral(value: Any, neutral: Any) -> bool:
+    """``value`` means SGLang's default ``neutral`` (null also as an empty string, list or object)."""
+    if neutral is None:
+        return value is None or (isinstance(value, (str, list, dict)) and not value)
+    if isinstance(neutral, bool):
+        return value is neutral
+    return _finite_number(value) and value == neutral
+
+
+_CHECKS: list[tuple[str, str, Callable[[Any], bool]]] = [
+    ("max_new_tokens", "an integer >= 0", lambda v: _is_int(v) and v >= 0),
+    ("temperature", "a finite number >= 0 (0: greedy)", lambda v: _finite_number(v) and v >= 0),
+    ("top_p", "a number in (0, 1]", lambda v: _finite_number(v) and 0 < v <= 1),
+    ("top_k", f"-1 (all tokens) or an integer in [1, {MAX_TOP_K}]",
+     lambda v: _is_int(v) and (v == -1 or 1 <= v <= MAX_TOP_K)),
+    ("stop_token_ids", f"a list of token ids (integers in [0, {MAX_TOKEN_ID}])",
+     lambda v: isinstance(v, (tuple, list)) and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v)),
+    ("ignore_eos", "true or false", lambda v: isinstance(v, bool)),
+    ("n", f"an integer in [1, {MAX_SAMPLES}]", lambda v: _is_int(v) and 1 <= v <= MAX_SAMPLES),
+]
+
+
+def shown(value: Any, limit: int = 80, *, as_json: bool = False) -> str:
+    """``value`` as a message shows it: its repr (or JSON), cut at ``limit`` characters (a body may hold
+    megabytes)."""
+    try:
+        text = json.dumps(value, default=repr) if as_json else repr(value)
+    except (RecursionError, ValueError):  # nested too deeply, or an integer of more than 4300 digits
+        return f"a {type(value).__name__} too large to show"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+_PARSED: dict[str, SamplingParams] = {}  # by the parameters' JSON text
 
 # SGLang's other sampling parameters, accepted at their default (neutral) value only: any other value is refused
 SGLANG_NEUTRAL: dict[str, Any] = {

@@ -11,15 +11,17 @@ updates ``/update_weights_from_disk``, ``/update_weights_from_tensor``, ``/init_
 ``/update_weights_from_distributed``, and ``/update_weights_from_shm`` (a descriptor of tensors in a file under
 /dev/shm that a trainer on this machine wrote; see :mod:`miles.weights.shm`); ``/server_info`` names
 the machine (``host_id``) so that a trainer knows. Every answer is strict JSON; an error is ``{"error": ...}``
-naming the field or the header, and the server keeps serving. What a request must satisfy before it reaches an endpoint
-(host, origin, admin token, content type, size) is :mod:`miles.engine.http_guard`.
+naming the field or the header, and the server keeps serving. A ``/generate`` batch is checked whole before any
+of it runs (:mod:`miles.engine.generate_input`); a client that disconnects aborts its requests. What a request
+must satisfy before it reaches an endpoint (host, origin, admin token, content type, size) is
+:mod:`miles.engine.http_guard`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,112 +32,38 @@ from safetensors.torch import load as load_safetensors
 
 from miles.engine.http_guard import (
     LOOPBACK, MAX_REQUEST_BYTES, MAX_WEIGHT_REQUEST_BYTES, OCTET_STREAM, POLICY, QUIET_MALFORMED, WEIGHT_PATH, Policy,
-    error_answer, guard, json_answer, json_body, read_body,
+    Refused, error_answer, guard, json_answer, json_body, read_body,
 )
+from miles.engine.generate_input import generate_requests
 from miles.engine.local import EngineUnavailable, LocalEngine
+from miles.engine.sampling import shown
 from miles.weights.shm import SHM_PATH, MappedWeightFile, host_id, parse_descriptor
 from miles.weights.wire import DTYPES, broadcast_tensors, decode_named_tensors, open_weight_group
 
-__all__ = ["build_app", "serve", "MAX_REQUEST_BYTES", "MAX_WEIGHT_REQUEST_BYTES"]
-
-# SGLang's GenerateReqInput fields (sglang 0.5) and what the embedded engine does with each.
-GENERATE_HONOURED = frozenset({
-    "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "return_text_in_logprobs", "return_entropy", "return_routed_experts",
-})
-GENERATE_IGNORED = frozenset({  # bookkeeping and routing hints: accepted whatever their value
-    "model", "log_metrics", "no_logs", "priority", "routing_key", "conversation_id", "custom_labels",
-    "external_trace_header", "received_time", "extra_key", "cache_salt", "http_worker_ipc", "routed_dp_rank",
-    "data_parallel_rank", "disagg_prefill_dp_rank", "kv_hints",
-})
-GENERATE_OFF_ONLY = frozenset({  # features the engine lacks: accepted when null, false, 0 or empty only
-    "stream", "background", "return_bytes", "return_hidden_states",
-    "routed_experts_start_len", "return_indexer_topk", "return_prompt_token_ids", "token_ids_logprob",
-    "return_sampling_mask", "sampling_logprobs_mode", "return_flat_raw_top_logprobs",
-    "return_flat_raw_output_top_logprobs", "lora_path", "lora_id", "custom_logit_processor", "session_id",
-    "session_params", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
-    "use_audio_in_video", "video_config", "modalities", "watermark", "positional_embed_overrides",
-    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
-    "require_reasoning", "max_thinking_tokens", "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls",
-    "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch",
-    "images_config", "mm_processor_kwargs", "multi_item_delimiter_indices", "token_indices_to_pool",
-})
-
+__all__ = ["build_app", "app_runner", "serve", "MAX_REQUEST_BYTES", "MAX_WEIGHT_REQUEST_BYTES"]
 
 ENGINE = web.AppKey("engine", LocalEngine)
 GROUPS = web.AppKey("groups", dict)
 SHM_FILE = web.AppKey("shm_file", list)  # [the last MappedWeightFile], kept mapped between updates
+INT64_MAX = 2**63 - 1  # the largest weight version, and tensor size
+MAX_WORLD = 1 << 20  # processes in a weight group
 
 
 # -- generation ------------------------------------------------------------------------------------
 
 
-def _generate_jobs(body: dict[str, Any], engine: LocalEngine) -> tuple[list[dict[str, Any]], bool]:
-    """SGLang's ``/generate`` request as keyword arguments of ``engine.generate``, one per sample, and whether
-    the answer is a list. A ValueError names the field."""
-    unknown = sorted(set(body) - GENERATE_HONOURED - GENERATE_IGNORED - GENERATE_OFF_ONLY)
-    if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}; expected SGLang's /generate fields "
-                         f"(input_ids or text, sampling_params, return_logprob, rid, ...)")
-    refused = sorted(k for k in GENERATE_OFF_ONLY & set(body) if body[k] not in (None, False, 0, "", [], {}))
-    if refused:
-        raise ValueError(", ".join(f"{k}: the embedded engine cannot honour {json.dumps(body[k])}" for k in refused)
-                         + "; send null or false (or leave it out)")
-    if (body.get("text") is None) == (body.get("input_ids") is None):
-        raise ValueError("input_ids, text: send exactly one of them (token ids, or text to tokenize)")
-    if body.get("text") is not None:
-        text = body["text"]
-        batched = isinstance(text, list)
-        prompts = [engine.tokenize(t) for t in (text if batched else [text])]
-        if batched and not prompts:
-            raise ValueError("text: expected a string, or a non-empty list of strings")
-    else:
-        input_ids = body["input_ids"]
-        if not isinstance(input_ids, list) or not input_ids:
-            raise ValueError("input_ids: expected a non-empty list of token ids, or a list of such lists")
-        batched = all(isinstance(x, list) for x in input_ids)
-        prompts = input_ids if batched else [input_ids]
-
-    def each(name: str, default: Any) -> list[Any]:  # in a batch, a list holds one value per prompt
-        value = body.get(name)
-        if batched and isinstance(value, list):
-            if len(value) != len(prompts):
-                raise ValueError(f"{name}: expected one entry per prompt ({len(prompts)}), got {len(value)}")
-            return [default if v is None else v for v in value]
-        if name == "rid" and batched and value is not None:
-            raise ValueError("rid: a batch needs a list of rids, one per prompt")
-        return [default if value is None else value] * len(prompts)
-
-    per_prompt = zip(prompts, each("sampling_params", {}), each("rid", None), each("return_logprob", False),
-                     each("logprob_start_len", -1), each("top_logprobs_num", 0), each("return_routed_experts", False))
-    shared = {"return_entropy": body.get("return_entropy") or False,
-              "return_text_in_logprobs": body.get("return_text_in_logprobs") or False}
-    jobs = []
-    for prompt, params, rid, return_logprob, start, top, routed in per_prompt:
-        if not isinstance(params, dict):
-            raise ValueError("sampling_params: expected a JSON object (in a batch, or a list of one per prompt)")
-        if rid is not None and not isinstance(rid, str):
-            raise ValueError(f"rid: expected a string, got {rid!r}")
-        n = params.get("n", 1)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"sampling_params.n: expected an integer >= 1, got {n!r}")
-        job = {"input_ids": prompt, "sampling_params": {k: v for k, v in params.items() if k != "n"},
-               "rid": None if n > 1 else rid, "return_logprob": return_logprob, "logprob_start_len": start,
-               "top_logprobs_num": top, "return_routed_experts": routed, **shared}
-        jobs += [job] * n  # n samples per prompt, prompt-major, as SGLang orders them
-    return jobs, batched or len(jobs) > len(prompts)
-
-
 async def generate(request: web.Request) -> web.Response:
+    """Every element of a batch is checked before any is scheduled (400 naming the element and the field); a
+    client that disconnects aborts its requests (the runner cancels this handler: :func:`app_runner`)."""
     body = await json_body(request)
     engine = request.app[ENGINE]
     try:
-        jobs, batched = _generate_jobs(body, engine)
-        answers = await asyncio.gather(*(engine.generate(**job) for job in jobs))
+        requests, batched = generate_requests(body, engine)
     except EngineUnavailable as exc:  # memory released: not this request's fault, and not for long
         return error_answer(503, str(exc))
     except ValueError as exc:
         return error_answer(400, str(exc))
+    answers = await asyncio.gather(*(engine.run(r) for r in requests))
     return json_answer(answers if batched else answers[0])
 
 
@@ -196,9 +124,7 @@ async def pause(request: web.Request) -> web.Response:
     """SGLang's ``mode``: ``in_place`` and ``retract`` hold what is in flight (the engine keeps its KV cache
     either way), ``abort`` ends it first. Without a mode the requests are held (SGLang aborts them)."""
     body = await json_body(request)
-    mode = body.get("mode") or "in_place"
-    if mode not in PAUSE_MODES:
-        return error_answer(400, f"mode: expected one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+    mode = _field(body, "mode", f"one of {', '.join(PAUSE_MODES)}", lambda v: v in PAUSE_MODES, "in_place")
     engine = request.app[ENGINE]
     if mode == "abort":
         engine.abort(None)
@@ -234,27 +160,46 @@ async def resume(request: web.Request) -> web.Response:
 
 async def abort_request(request: web.Request) -> web.Response:
     body = await json_body(request)
-    rid = body.get("rid")
-    if rid is None and not body.get("abort_all"):
+    rid = _field(body, "rid", "a string", lambda v: isinstance(v, str))
+    abort_all = _field(body, "abort_all", "true or false", lambda v: isinstance(v, bool), False)
+    if rid is None and not abort_all:
         return error_answer(400, "rid: name the request to abort, or send abort_all: true")
-    count = request.app[ENGINE].abort(None if body.get("abort_all") else str(rid))
+    count = request.app[ENGINE].abort(None if abort_all else rid)
     return json_answer({"success": True, "aborted": count})
+
+
+def _field(body: Mapping[str, Any], name: str, expected: str, ok: Callable[[Any], bool], default: Any = None) -> Any:
+    """``body[name]`` (``default`` when absent or null), refused with 400 naming it unless ``ok``."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not ok(value):
+        raise Refused(400, f"{name}: expected {expected}, got {shown(value)}")
+    return value
+
+
+def _is_int(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
 
 
 # -- weights ---------------------------------------------------------------------------------------
 
 
 def _update_options(fields: Mapping[str, Any]) -> tuple[int | None, bool]:
-    """``weight_version`` and ``allow_non_finite`` from a JSON body or (raw tensors) the query string."""
+    """``weight_version`` and ``allow_non_finite`` from a JSON body or (raw tensors) the query string, whose
+    values are strings: ``weight_version=7``, ``allow_non_finite=true``."""
     version, allow = fields.get("weight_version"), fields.get("allow_non_finite", False)
-    if version is not None and not (isinstance(version, int) and not isinstance(version, bool)
-                                    or isinstance(version, str) and version.isdigit()):
-        raise ValueError(f"weight_version: expected an integer, got {version!r}")
-    if isinstance(allow, str) and allow in ("true", "false"):  # the query string's spelling
+    if isinstance(version, str) and version.isascii() and version.isdigit() and len(version) <= 19:
+        version = int(version)  # SGLang's spelling: a string of digits
+    if version is not None and not _is_int(version, 0, INT64_MAX):
+        raise ValueError(f"weight_version: expected an integer in [0, {INT64_MAX}] (or a string of its digits), "
+                         f"got {shown(version)}")
+    if not isinstance(fields, dict) and allow in ("true", "false"):  # the query string's spelling (a JSON body: true)
         allow = allow == "true"
     if not isinstance(allow, bool):
-        raise ValueError(f"allow_non_finite: expected true or false, got {allow!r}")
-    return None if version is None else int(version), allow
+        raise ValueError(f"allow_non_finite: expected true or false, got {shown(allow)}")
+    return version, allow
 
 
 class Rewritten(Exception):
@@ -276,11 +221,19 @@ async def _apply(request: web.Request, load: Callable[[], dict[str, torch.Tensor
     return json_answer({"success": True, "weight_version": version})
 
 
+def _is_model_dir(path: Any) -> bool:
+    try:
+        return isinstance(path, str) and bool(path) and (Path(path) / "config.json").is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        return False
+
+
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     body = await json_body(request)
     path = body.get("model_path")
-    if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
-        return error_answer(400, f"model_path: expected an HF model directory, got {path!r}")
+    if not _is_model_dir(path):
+        return error_answer(400, f"model_path: expected an HF model directory (with a config.json), "
+                                 f"got {shown(path)}")
     from miles.models.hf import load_model
 
     def load() -> dict[str, torch.Tensor]:
@@ -313,35 +266,71 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
     body = await json_body(request)
-    missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+    missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if body.get(k) is None]
     if missing:
         return error_answer(400, f"missing field(s): {', '.join(missing)}")
-    rank = int(body["rank_offset"])  # SGLang's rank = rank_offset + tp_rank; one rank here; the trainer is rank 0
-    args = (body["master_address"], int(body["master_port"]), rank, int(body["world_size"]),
-            body.get("backend", "gloo"))
+    address = _field(body, "master_address", "a host name or address", lambda v: isinstance(v, str) and v != "")
+    port = _field(body, "master_port", "a port in [1, 65535]", lambda v: _is_int(v, 1, 65535))
+    world = _field(body, "world_size", f"an integer in [2, {MAX_WORLD}] (the trainer and the engines)",
+                   lambda v: _is_int(v, 2, MAX_WORLD))
+    # SGLang's rank = rank_offset + tp_rank; one rank here; the trainer is rank 0
+    rank = _field(body, "rank_offset", f"an integer in [1, world_size - 1 = {world - 1}] (the trainer is rank 0)",
+                  lambda v: _is_int(v, 1, world - 1))
+    backend = _field(body, "backend", "'gloo'", lambda v: isinstance(v, str), "gloo")
+    name = _group_name(body)
     try:
-        group = await asyncio.get_running_loop().run_in_executor(None, lambda: open_weight_group(*args))
+        group = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: open_weight_group(address, port, rank, world, backend))
     except Exception as exc:
         return error_answer(400, f"could not join the weight group: {type(exc).__name__}: {exc}")
-    request.app[GROUPS][body.get("group_name", "weight_update_group")] = group
+    request.app[GROUPS][name] = group
     return json_answer({"success": True, "rank": rank})
+
+
+
+def _group_name(body: Mapping[str, Any]) -> str:
+    return _field(body, "group_name", "a string", lambda v: isinstance(v, str), "weight_update_group")
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
     body = await json_body(request)
-    group = request.app[GROUPS].get(body.get("group_name", "weight_update_group"))
+    group = request.app[GROUPS].get(_group_name(body))
     if group is None:
         return error_answer(400, "group_name: no such weight group; call /init_weights_update_group first")
-    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-            and len(names) == len(dtypes) == len(shapes)):
-        return error_answer(400, "names, dtypes, shapes: expected three lists of the same length")
-    if any(d not in DTYPES for d in dtypes):
-        return error_answer(400, f"dtypes: expected names among {', '.join(DTYPES)}, "
-                                 f"got {sorted(set(dtypes) - set(DTYPES))}")
-    tensors = {n: torch.empty(tuple(s), dtype=DTYPES[d]) for n, d, s in zip(names, dtypes, shapes)}
+    try:
+        _update_options(body)  # refused before the broadcast rather than after it
+        names, dtypes, shapes = _broadcast_layout(body, request.app[ENGINE])
+    except ValueError as exc:
+        return error_answer(400, str(exc))
+    tensors = {n: torch.empty(s, dtype=DTYPES[d]) for n, d, s in zip(names, dtypes, shapes)}
     await asyncio.get_running_loop().run_in_executor(None, broadcast_tensors, group, list(tensors.values()))
     return await _apply(request, lambda: tensors, body)
+
+
+def _broadcast_layout(body: Mapping[str, Any], engine: LocalEngine) -> tuple[list[str], list[str], list[tuple]]:
+    """The ``names``, ``dtypes`` and ``shapes`` of a ``/update_weights_from_distributed`` body, checked before
+    the engine allocates what it receives (never more elements than the model has: such an update could never be
+    applied)."""
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    for key, value in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
+        if not isinstance(value, list):
+            raise ValueError(f"{key}: expected a list (one entry per tensor), got {shown(value)}")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"names, dtypes, shapes: expected lists of the same length, got {len(names)}, "
+                         f"{len(dtypes)}, {len(shapes)}")
+    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise ValueError("names: expected distinct tensor names (strings)")
+    if bad := [d for d in dtypes if not isinstance(d, str) or d not in DTYPES]:
+        raise ValueError(f"dtypes: expected names among {', '.join(DTYPES)}, got {shown(bad[0])}")
+    if bad := [s for s in shapes if not isinstance(s, list) or not all(_is_int(d, 0, INT64_MAX) for d in s)]:
+        raise ValueError(f"shapes: expected lists of sizes >= 0, got {shown(bad[0])}")
+    if "weights" in engine.released:
+        raise ValueError("the engine's weights are released (release_memory_occupation); resume them "
+                         "(resume_memory_occupation) before an update")
+    limit = sum(t.numel() for t in engine.model.state_dict().values())
+    if (total := sum(math.prod(s) for s in shapes)) > limit:
+        raise ValueError(f"shapes: {total} elements in all, more than the model's {limit}: no such update fits it")
+    return names, dtypes, [tuple(s) for s in shapes]
 
 
 async def update_weights_from_shm(request: web.Request) -> web.Response:
@@ -413,6 +402,12 @@ def build_app(engine: LocalEngine, admin_token: str = "", *, max_request_bytes: 
     return app
 
 
+def app_runner(app: web.Application) -> web.AppRunner:
+    """The runner to serve the engine's application with: a client that disconnects cancels its handler, which
+    aborts its requests in the engine, as SGLang does (aiohttp lets handlers run on by default)."""
+    return web.AppRunner(app, handler_cancellation=True)
+
+
 def serve(model: str, host: str = "127.0.0.1", port: int = 30000, seed: int = 0, admin_token: str = "", *,
           device: str = "cpu", dtype: str = "float32", max_request_bytes: int = MAX_REQUEST_BYTES,
           max_weight_request_bytes: int = MAX_WEIGHT_REQUEST_BYTES, allowed_hosts: tuple[str, ...] = ()) -> None:
@@ -430,4 +425,4 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 30000, seed: int = 0,
     app = build_app(engine, admin_token, max_request_bytes=max_request_bytes,
                     max_weight_request_bytes=max_weight_request_bytes, allowed_hosts=allowed_hosts)
     print(f"miles engine serving {model} on http://{host}:{port}", flush=True)
-    web.run_app(app, host=host, port=port, print=None)
+    web.run_app(app, host=host, port=port, print=None, handler_cancellation=True)  # as app_runner

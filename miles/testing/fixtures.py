@@ -67,10 +67,10 @@ def serve_in_thread(engine: Any) -> Iterator[str]:
 
     from aiohttp import web
 
-    from miles.engine.server import build_app
+    from miles.engine.server import app_runner, build_app
 
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(engine))
+    runner = app_runner(build_app(engine))
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
     port = runner.addresses[0][1]

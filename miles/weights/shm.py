@@ -203,7 +203,7 @@ def _is_int(value: Any) -> bool:
 def check_path(path: Any) -> str:
     """``path`` if it names a file directly under /dev/shm whose name starts with ``miles-weights-``."""
     name = os.path.basename(path) if isinstance(path, str) else ""
-    if not (name.startswith(PREFIX) and path == os.path.join(SHM_DIR, name)):
+    if not (name.startswith(PREFIX) and path == os.path.join(SHM_DIR, name)) or "\x00" in name:
         raise ValueError(f"path: expected a file directly under {SHM_DIR} whose name starts with {PREFIX!r}, "
                          f"got {path!r}")
     return path

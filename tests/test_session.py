@@ -121,6 +121,9 @@ async def serving(engine, **options):
             await server.stop()
 
 
+PROMPT_IDS = {"return_prompt_token_ids": True}  # the answer's miles.prompt_token_ids
+
+
 def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -143,15 +146,18 @@ def test_a_conversation_with_tools_is_token_exact(engine, model_dir):
             sid, client = await open_session(metadata={"task": "weather"})
             messages = [{"role": "system", "content": "You are helpful."},
                         {"role": "user", "content": "Weather in Paris?"}]
-            first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=200)
+            first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=200,
+                                                         extra_body=PROMPT_IDS)
             # The pydantic object as it came: content and arguments as the client serialises them.
             messages += [first.choices[0].message,
                          {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id,
                           "content": "sunny, 21 C"}]
-            second = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=8)
+            second = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=8,
+                                                          extra_body=PROMPT_IDS)
             messages += [second.choices[0].message.model_dump(),  # with its null fields
                          {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]}]
-            third = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=8)
+            third = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=8,
+                                                         extra_body=PROMPT_IDS)
             async with http.get(f"{url}/sessions/{sid}") as resp:
                 assert resp.status == 200
                 return [first, second, third], await resp.json()
@@ -249,7 +255,8 @@ def test_a_rewritten_message_or_changed_tools_get_409_and_leave_the_session_as_i
         async with serving(engine) as (server, _, _, open_session):
             sid, client = await open_session()
             messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather?"}]
-            first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=4)
+            first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=4,
+                                                         extra_body=PROMPT_IDS)
             messages.append(first.choices[0].message.model_dump())
             messages.append({"role": "user", "content": "and now?"})
             before = json.dumps(server.sessions[sid].trajectory())
@@ -274,7 +281,8 @@ def test_a_rewritten_message_or_changed_tools_get_409_and_leave_the_session_as_i
                     await client.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=4)
                 refusals[name] = refused.value
             assert json.dumps(server.sessions[sid].trajectory()) == before
-            second = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=4)
+            second = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=4,
+                                                          extra_body=PROMPT_IDS)
             return first, second, refusals
 
     first, second, refusals = asyncio.run(conversation())
@@ -302,7 +310,7 @@ def test_bad_requests_get_400_naming_the_field_and_unknown_sessions_404(engine):
                 "stream": {"messages": hello, "stream": True}, "n": {"messages": hello, "n": 2},
                 "stop": {"messages": hello, "stop": ["x"]}, "frobnicate": {"messages": hello, "frobnicate": 1},
                 "tool_choice": {"messages": hello, "tool_choice": "required"}, "messages": {"model": "m"},
-                "messages[0]": {"messages": [{"role": "robot", "content": "beep"}]},
+                "messages[0].role": {"messages": [{"role": "robot", "content": "beep"}]},
                 "max_tokens": {"messages": hello, "max_tokens": 0},
             }
             for name, body in bodies.items():
@@ -328,7 +336,7 @@ def test_bad_requests_get_400_naming_the_field_and_unknown_sessions_404(engine):
             return answers, n_two.value, top_k.value
 
     answers, n_two, top_k = asyncio.run(requests())
-    for name in ("stream", "n", "stop", "frobnicate", "tool_choice", "messages", "messages[0]", "max_tokens"):
+    for name in ("stream", "n", "stop", "frobnicate", "tool_choice", "messages", "messages[0].role", "max_tokens"):
         status, body, retry = answers[name]
         assert (status, body["error"]["param"], retry) == (400, name, "false"), (name, body)
         assert name.partition("[")[0] in body["error"]["message"]
@@ -363,39 +371,71 @@ def test_completions_of_one_session_run_one_at_a_time_and_sessions_concurrently(
     assert other.usage.completion_tokens == len(miles(other)["token_ids"]) >= 1
 
 
-def test_a_prompt_past_the_context_finishes_with_length_and_ends_the_session(engine):
+def test_a_prompt_past_the_context_gets_400_naming_both_lengths_and_the_session_goes_on(engine):
     tokenizer = engine.tokenizer
     hello = [{"role": "user", "content": "hello"}]
     prompt = len(Conversation(tokenizer, hello).prompt_ids)
+    context = prompt + 40
+    scripted = ScriptedTurnsEngine(engine, [encode(tokenizer, "Hi")])
 
-    scripted = ScriptedTurnsEngine(engine, [encode(tokenizer, "Hi"), encode(tokenizer, "and so on and so forth")])
+    async def conversation():
+        async with serving(scripted, context_length=context) as (server, url, http, open_session):
+            sid, client = await open_session()
+            first = await client.chat.completions.create(model="p", messages=hello, max_tokens=2)
+            held = json.loads(json.dumps(server.sessions[sid].trajectory()))  # a copy: the session grows later
+            refused = {}
+            for name, text in {"tokenized": "a long question" * 3, "counted": "x" * 600}.items():
+                with pytest.raises(openai.BadRequestError) as too_long:
+                    await client.chat.completions.create(
+                        model="p", messages=hello + [first.choices[0].message, {"role": "user", "content": text}])
+                refused[name] = too_long.value
+            async with http.get(f"{url}/sessions/{sid}") as resp:
+                after = await resp.json()
+            messages = hello + [first.choices[0].message, {"role": "user", "content": "ok"}]
+            second = await client.chat.completions.create(model="p", messages=messages, max_tokens=2)
+            return first, held, refused, after, second, server.sessions[sid].trajectory()
+
+    first, held, refused, after, second, last = asyncio.run(conversation())
+    assert first.choices[0].finish_reason == "length" and held["status"] == "open"
+    recorded = len(held["prompt_ids"]) + len(held["response_ids"])
+    # "Hi" was cut by max_tokens: the next prompt closes it with <|im_end|>
+    suffix = encode(tokenizer, "<|im_end|>\n<|im_start|>user\n" + "a long question" * 3
+                    + "<|im_end|>\n<|im_start|>assistant\n")
+    for name, size in {"tokenized": f"the prompt is {recorded + len(suffix)} tokens",
+                       "counted": f"the prompt is at least {recorded + -(-600 // 16)} tokens (600 characters"}.items():
+        error = refused[name]
+        assert (error.status_code, error.param, error.code) == (400, "messages", "context_length_exceeded")
+        assert size in error.message and f"the context length of {context} tokens" in error.message, error.message
+        assert f"this session holds {recorded} tokens so far" in error.message
+    # Refused: the session is as it was, and says why its last request was refused.
+    assert {k: v for k, v in after.items() if k != "context_exceeded"} == {
+        k: v for k, v in held.items() if k != "context_exceeded"}
+    assert after["status"] == "open" and after["context_exceeded"] == refused["counted"].body["message"]
+    assert second.usage.prompt_tokens == recorded + len(encode(
+        tokenizer, "<|im_end|>\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"))
+    assert last["turns"] == 2 and last["context_exceeded"] is None
+
+
+def test_a_generation_that_reaches_the_context_length_ends_the_session(engine):
+    tokenizer = engine.tokenizer
+    hello = [{"role": "user", "content": "hello"}]
+    prompt = len(Conversation(tokenizer, hello).prompt_ids)
+    scripted = ScriptedTurnsEngine(engine, [encode(tokenizer, "and so on and so forth")])
 
     async def conversation():
         # Room for the first prompt and 5 generated tokens (the next position must be inside the context).
         async with serving(scripted, context_length=prompt + 6) as (server, _, _, open_session):
             sid, client = await open_session()
-            first = await client.chat.completions.create(model="p", messages=hello, max_tokens=2)
-            held = server.sessions[sid].trajectory()
-            messages = hello + [first.choices[0].message, {"role": "user", "content": "a long question " * 4}]
-            overflow = await client.chat.completions.create(model="p", messages=messages)
-            after = server.sessions[sid].trajectory()
+            cut = await client.chat.completions.create(model="p", messages=hello, max_tokens=100)
+            messages = hello + [cut.choices[0].message, {"role": "user", "content": "go on"}]
             with pytest.raises(openai.ConflictError) as ended:
                 await client.chat.completions.create(model="p", messages=messages)
-            # A generation that reaches the context length ends its session as well.
-            sid2, client2 = await open_session()
-            cut = await client2.chat.completions.create(model="p", messages=hello, max_tokens=100)
-            return first, held, overflow, after, ended.value, cut, server.sessions[sid2].trajectory()
+            return cut, ended.value, server.sessions[sid].trajectory()
 
-    first, held, overflow, after, ended, cut, cut_trajectory = asyncio.run(conversation())
-    assert first.choices[0].finish_reason == "length" and held["status"] == "open"
-    assert overflow.choices[0].finish_reason == "length" and overflow.choices[0].message.content == ""
-    assert overflow.usage.completion_tokens == 0 and overflow.usage.prompt_tokens > prompt + 6
-    assert after["status"] == "truncated" and f"context length ({prompt + 6} tokens)" in after["reason"]
-    assert {k: after[k] for k in ("prompt_ids", "response_ids", "messages")} == {
-        k: held[k] for k in ("prompt_ids", "response_ids", "messages")}
-    assert ended.code == "session_ended"
+    cut, ended, trajectory = asyncio.run(conversation())
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content == "and s"
-    assert cut_trajectory["status"] == "truncated" and "context length" in cut_trajectory["reason"]
+    assert trajectory["status"] == "truncated" and f"context length ({prompt + 6} tokens)" in trajectory["reason"]
+    assert ended.code == "session_ended"
 
 
 # -- the command line ------------------------------------------------------------------------------

@@ -97,17 +97,20 @@ def _fill(sample: Sample, session: Session, error: str | None) -> None:
     if session.status == "aborted":  # nothing of it is kept: the agent starts over when the sample is continued
         sample.status, sample.reason = SampleStatus.ABORTED, f"partial rollout: {session.reason}"
         return
-    if error is not None or session.turns == 0:
-        sample.fail(error or f"rollout: the agent made no chat completion"
-                             f"{f' ({session.reason})' if session.reason else ''}")
+    # A prompt refused for the context length ends the trajectory there, whether the agent caught the 400 or let it
+    # raise: its turns so far are a truncated sample, as when a generation reaches the context length.
+    overflowed = bool(session.context_exceeded) and session.turns > 0
+    if not overflowed and (error is not None or session.turns == 0):
+        reason = session.reason or session.context_exceeded
+        sample.fail(error or f"rollout: the agent made no chat completion{f' ({reason})' if reason else ''}")
         return
     sample.prompt_ids = list(session.prompt_ids)
     sample.response_ids, sample.loss_mask = list(session.response_ids), list(session.loss_mask)
     sample.rollout_logprobs, sample.weight_versions = list(session.logprobs), list(session.weight_versions)
     sample.turns, sample.response_text = session.turns, session.last_text
     sample.metadata["tools"] = dict(session.tool_stats)
-    if session.status == "truncated":
-        sample.status, sample.reason = SampleStatus.TRUNCATED, session.reason
+    if session.status == "truncated" or overflowed:
+        sample.status, sample.reason = SampleStatus.TRUNCATED, session.reason or session.context_exceeded
     elif session.finish_reason == "length":
         sample.status, sample.reason = SampleStatus.TRUNCATED, "max_tokens reached in the last turn"
     else:

@@ -12,81 +12,73 @@ a prefix of its next prompt. A request must therefore repeat the session's messa
 the first one that changed) and keep its ``tools``. Generated tokens keep the engine's log-probs and weight
 version (loss mask 1); the new messages' tokens have loss mask 0 and log-prob 0.0.
 
-When a prompt leaves no room in the context for one generated token, the answer finishes with ``length``
-and no tokens, and the session's trajectory ends there (status ``truncated``; later completions get 409);
-the same when a generation stops at the context length. A completion cut by ``max_tokens`` leaves the
-session open: the next prompt closes that turn with the end-of-turn token (loss mask 0), as the chat
-template renders it.
+A prompt that leaves no room in the context for one generated token is refused (400
+``context_length_exceeded``, naming both lengths; the session stays as it was), before it is tokenized when
+its characters alone prove it; a generation that stops at the context length ends the session's trajectory
+(status ``truncated``; later completions get 409). A completion cut by ``max_tokens`` leaves the session open:
+the next prompt closes that turn with the end-of-turn token (loss mask 0), as the chat template renders it.
+
+One client cannot stall the others: a request is checked and tokenized in a worker thread while the event loop
+serves everyone else. A turn is recorded once its answer is written to the client: a client that disconnects
+before (its generation is aborted in the engine) leaves the session as it last saw it, and the exact repeat of
+the last request (a retry whose answer was lost on the way) gets that answer again, recorded once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import inspect
+import json
 import logging
+import os
+import re
 import sys
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from copy import copy
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from miles.agentic.chat import Conversation, NotAppendOnly
 from miles.agentic.turns import turn_source
+from miles.agentic.types import Message
 from miles.engine.http_guard import LOOPBACK, POLICY, Policy, Refused, error_answer, guard, json_answer, json_body
-from miles.agentic.metrics import TOOL_STATS
+from miles.session.state import Session, running
 from miles.session.openai_api import (
-    ApiError, ChatRequest, assistant_turn, completion_answer, first_difference, parse_chat_request,
+    ApiError, ChatRequest, assistant_turn, check_depth, completion_answer, first_difference, parse_chat_request,
 )
 
 __all__ = ["Session", "SessionServer", "serve"]
 
+WHITESPACE = re.compile(r"\s")
+LARGE_PROMPT_TOKENS = 1 << 16  # a refused prompt this long has its memory given back at once (see _trim_heap)
+
 
 @dataclass
-class Session:
-    """One trajectory: the messages so far and the tokens behind them (``response_ids`` holds every token after
-    the first prompt; ``loss_mask`` is 1 on generated tokens, ``logprobs`` 0.0 elsewhere)."""
+class _Prompt:
+    """A request checked and tokenized (in a worker thread); nothing of it is in the session yet."""
 
-    id: str
-    metadata: dict[str, Any] = field(default_factory=dict)
-    conversation: Conversation | None = None  # set by the first completion; holds the messages (normalised)
-    tools: list[dict[str, Any]] | None = None
-    prompt_ids: list[int] = field(default_factory=list)
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    weight_versions: list[int] = field(default_factory=list)  # one per completion
-    turns: int = 0
-    status: str = "open"  # "truncated": the context is full; "aborted": the engine aborted a generation (ended)
-    reason: str = ""
-    finish_reason: str | None = None  # of the last completion
-    last_text: str = ""  # the last completion's text (special tokens removed)
-    turn_closed: bool = True  # the last completion ended with the end-of-turn token
-    tool_stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOOL_STATS, 0))
-    busy: bool = False  # a completion is running
+    request: ChatRequest
+    conversation: Conversation  # a new one, or a copy of the session's: its messages with the new ones
+    new_ids: list[int]  # the tokens this request adds (the whole prompt on the first completion)
+    ids: list[int]  # the whole prompt
 
-    @property
-    def messages(self) -> list[dict[str, Any]]:
-        return self.conversation.messages if self.conversation is not None else []
 
-    def trajectory(self) -> dict[str, Any]:
-        """What ``GET /sessions/{id}`` answers."""
-        return {"id": self.id, "metadata": self.metadata, "status": self.status, "reason": self.reason,
-                "finish_reason": self.finish_reason, "turns": self.turns, "prompt_ids": self.prompt_ids,
-                "response_ids": self.response_ids, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
-                "weight_versions": self.weight_versions, "messages": self.messages, "tools": self.tools,
-                "tool_stats": self.tool_stats}
-
-    def _append(self, ids: list[int], logprobs: list[float] | None, from_policy: bool) -> None:
-        self.response_ids += ids
-        self.loss_mask += [int(from_policy)] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+class _ContextExceeded(ApiError):
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message, param="messages", code="context_length_exceeded")
 
 
 class SessionServer:
     """Serves sessions on ``engine`` (``async generate(input_ids, sampling_params, return_logprob)`` answering
-    in SGLang's shape). ``sampling_params`` are the defaults of every generation (a request's ``temperature``
-    and ``top_p`` replace them; its ``max_tokens`` can lower ``max_new_tokens``, never raise it);
-    ``context_length`` defaults to the engine's."""
+    in SGLang's shape; with ``rid=`` and an ``abort(rid)``, a request whose client disconnects is aborted there).
+    ``sampling_params`` are the defaults of every generation (a request's ``temperature`` and ``top_p`` replace
+    them; its ``max_tokens`` can lower ``max_new_tokens``, never raise it); ``context_length`` defaults to the
+    engine's."""
 
     def __init__(self, engine: Any, tokenizer: Any, tool_parser: Any, sampling_params: dict[str, Any] | None = None,
                  context_length: int | None = None, *, allowed_hosts: tuple[str, ...] = (),
@@ -108,12 +100,16 @@ class SessionServer:
         self.app.router.add_delete("/sessions/{id}", self._delete)
         self.app.router.add_post("/sessions/{id}/v1/chat/completions", self._chat)
         self._runner: web.AppRunner | None = None
+        self._workers: ThreadPoolExecutor | None = None  # checks and tokenizes requests (see _off_loop)
+        self._abort = _named_abort(engine)
+        self._longest_token: int | None = None  # characters; computed on first use
 
     # -- lifecycle and sessions ---------------------------------------------------------------------
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen on ``host:port`` (0: a free port); returns the base URL, e.g. ``http://127.0.0.1:40123``."""
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its request's handler (and so its generation)
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -124,6 +120,9 @@ class SessionServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+        workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.shutdown(wait=False, cancel_futures=True)
 
     def open(self, metadata: dict[str, Any] | None = None) -> Session:
         """A new session (what ``POST /sessions`` does, for in-process callers)."""
@@ -134,40 +133,34 @@ class SessionServer:
     # -- completions --------------------------------------------------------------------------------
 
     async def complete(self, session: Session, body: dict[str, Any]) -> dict[str, Any]:
-        """One chat completion on ``session``; an :class:`ApiError` says why it was refused (the session is then
-        unchanged)."""
-        request = parse_chat_request(body)
-        if session.busy:
-            raise ApiError(409, "another completion of this session is running; a session's completions run one "
-                                "at a time (its next prompt needs the previous answer)", code="session_busy")
-        if session.status != "open":
-            raise ApiError(409, f"this session's trajectory has ended ({session.reason}); open a new session",
-                           code="session_ended")
-        session.busy = True
-        held, turns = len(session.messages), session.turns
-        try:
-            return await self._complete(session, request)
-        finally:
-            session.busy = False
-            if session.turns == turns and session.conversation is not None:
-                del session.conversation.messages[held:]  # no turn recorded: neither are the new messages
+        """One chat completion on ``session``, recorded at once; an :class:`ApiError` says why it was refused (the
+        session is then unchanged)."""
+        with running(session):
+            answer, commit = await self._answer(session, body)
+            commit()
+            return answer
 
-    async def _complete(self, session: Session, request: ChatRequest) -> dict[str, Any]:
-        first = session.conversation is None
-        new_ids, conversation = self._new_tokens(session, request)
-        prompt = new_ids if first else session.prompt_ids + session.response_ids + new_ids
-        room = self.context_length - 1 - len(prompt) if self.context_length else None
-        cap = int(self.sampling_params.get("max_new_tokens", 0)) or room or 128
-        budget = min(x for x in (cap, request.max_tokens, room) if x is not None)
-        if budget < 1:
-            return self._overflow(session, request, prompt)
-        params = {**self.sampling_params, "max_new_tokens": budget,
-                  "stop_token_ids": conversation.format.request_stop_ids(
-                      self.sampling_params.get("stop_token_ids", ()))}
-        params.update({k: v for k, v in (("temperature", request.temperature), ("top_p", request.top_p))
-                       if v is not None})
+    async def _answer(self, session: Session, body: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
+        """The answer to ``body`` and the function that records its turn in the session (the caller calls it once
+        the answer is delivered). Nothing is recorded before: a cancelled request leaves the session as it was."""
         try:
-            answer = await self.engine.generate(prompt, params, return_logprob=True)
+            prompt = await self._off_loop(self._prepare, session, body)
+        except _ContextExceeded as exc:
+            session.context_exceeded = str(exc)
+            raise
+        if isinstance(prompt, dict):  # the repeat of the last request: its answer again, recorded already
+            return prompt, lambda: None
+        first = session.conversation is None
+        room = self.context_length - 1 - len(prompt.ids) if self.context_length else None
+        cap = int(self.sampling_params.get("max_new_tokens", 0)) or room or 128
+        budget = min(x for x in (cap, prompt.request.max_tokens, room) if x is not None)
+        params = {**self.sampling_params, "max_new_tokens": budget,
+                  "stop_token_ids": prompt.conversation.format.request_stop_ids(
+                      self.sampling_params.get("stop_token_ids", ()))}
+        params.update({k: v for k, v in (("temperature", prompt.request.temperature),
+                                         ("top_p", prompt.request.top_p)) if v is not None})
+        try:
+            answer = await self._generate(session, prompt.ids, params)
         except ValueError as exc:
             raise ApiError(400, f"the engine refused the request: {exc}") from exc
         meta = answer["meta_info"]
@@ -177,91 +170,170 @@ class SessionServer:
             session.reason = f"the engine aborted a generation ({meta['finish_reason'].get('message') or 'abort'})"
             raise ApiError(503, f"{session.reason}; this session's trajectory ends (its last turn is not recorded)",
                            code="engine_aborted")
+        request, conversation = prompt.request, prompt.conversation
         ids = list(answer["output_ids"])
         logprobs = [float(t[0]) for t in meta["output_token_logprobs"]]
         text = turn_source(conversation.format, ids)
         turn = session.turns + 1
         message, checked = assistant_turn(text, self.tool_parser, request.tools, f"call_{turn}_")
-
-        # Commit: from here on the session holds this turn.
-        if first:
-            session.conversation, session.tools, session.prompt_ids = conversation, request.tools, list(new_ids)
-        else:
-            session._append(new_ids, None, from_policy=False)
-        session._append(ids, logprobs, from_policy=True)
-        # one per completion; a completion that a weight update landed in (in_place) adds each version
-        versions = [int(v) for v in meta.get("output_token_weight_versions") or [meta["weight_version"]]]
-        session.weight_versions += [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
-        session.turns, session.last_text = turn, self.tokenizer.decode(ids, skip_special_tokens=True)
-        session.turn_closed = bool(ids) and ids[-1] == conversation.eot_id
-        conversation.add_policy_turn(message)
-        stats = session.tool_stats
-        stats["calls"] += len(checked.calls)
-        stats["succeeded"] += len(checked.valid)
-        stats["parse_errors"] += checked.parse_errors
-        stats["schema_errors"] += checked.schema_errors
         finish_reason = "length" if finish == "length" else "tool_calls" if checked.valid else "stop"
-        session.finish_reason = finish_reason
-        if finish == "length" and room is not None and budget == room:
-            session.status, session.reason = "truncated", f"the context length ({self.context_length} tokens) reached"
         invalid = [{"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error}
                    for c in checked.calls if c.error is not None]
-        extra = {"session_id": session.id, "turn": turn, "prompt_token_ids": prompt, "token_ids": ids,
-                 "logprobs": logprobs, "weight_version": int(meta["weight_version"]), "invalid_tool_calls": invalid,
+        extra = {"session_id": session.id, "turn": turn, "token_ids": ids, "logprobs": logprobs,
+                 "weight_version": int(meta["weight_version"]), "invalid_tool_calls": invalid,
                  "parse_errors": checked.parse_errors, "schema_errors": checked.schema_errors}
-        return completion_answer(
+        if request.return_prompt_token_ids:
+            extra["prompt_token_ids"] = prompt.ids
+        reply = completion_answer(
             completion_id=f"chatcmpl-{session.id}-{turn}", model=request.model, message=message,
-            finish_reason=finish_reason, prompt_tokens=len(prompt), completion_tokens=len(ids),
+            finish_reason=finish_reason, prompt_tokens=len(prompt.ids), completion_tokens=len(ids),
             logprobs=self._openai_logprobs(ids, logprobs) if request.logprobs else None, extra=extra)
+
+        def commit() -> None:
+            """From here on the session holds this turn."""
+            if first:
+                session.tools, session.prompt_ids = request.tools, list(prompt.new_ids)
+            else:
+                session._append(prompt.new_ids, None, from_policy=False)
+            session._append(ids, logprobs, from_policy=True)
+            # one per completion; a completion that a weight update landed in (in_place) adds each version
+            versions = [int(v) for v in meta.get("output_token_weight_versions") or [meta["weight_version"]]]
+            session.weight_versions += [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
+            session.turns, session.last_text = turn, self.tokenizer.decode(ids, skip_special_tokens=True)
+            session.turn_closed = bool(ids) and ids[-1] == conversation.eot_id
+            conversation.add_policy_turn(message)
+            session.conversation = conversation
+            stats = session.tool_stats
+            stats["calls"] += len(checked.calls)
+            stats["succeeded"] += len(checked.valid)
+            stats["parse_errors"] += checked.parse_errors
+            stats["schema_errors"] += checked.schema_errors
+            session.finish_reason, session.context_exceeded, session.last = finish_reason, "", (request, reply)
+            if finish == "length" and room is not None and budget == room:
+                session.status = "truncated"
+                session.reason = f"the context length ({self.context_length} tokens) reached"
+
+        return reply, commit
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a worker thread, so that the event loop serves the other clients meanwhile (tokenizing a
+        message of megabytes takes seconds; the tokenizer's Rust code runs without the GIL, so a few threads serve
+        a few such messages at once). Cancelled, the thread goes on and its result is dropped."""
+        if self._workers is None:
+            self._workers = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                               thread_name_prefix="miles-session")
+        return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)
+
+    async def _generate(self, session: Session, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        """The engine's answer. When the caller is cancelled (its client disconnected), the engine's request is
+        aborted as well, as SGLang aborts the request of a client that disconnects (an engine without ``abort(rid)``
+        is left to finish it; its answer is dropped)."""
+        if self._abort is None:
+            return await self.engine.generate(prompt, params, return_logprob=True)
+        rid = f"session-{session.id}-{session.turns + 1}-{uuid.uuid4().hex[:8]}"
+        try:
+            return await self.engine.generate(prompt, params, return_logprob=True, rid=rid)
+        except asyncio.CancelledError:
+            self._abort(rid)
+            raise
+
+    def _prepare(self, session: Session, body: dict[str, Any]) -> _Prompt | dict[str, Any]:
+        """The request checked and tokenized, or the last answer when it repeats the last request. Runs in a worker
+        thread: it reads the session (which nothing changes while a completion runs) and writes nothing there."""
+        request = parse_chat_request(body)
+        if session.last is not None and session.last[0] == request:
+            return session.last[1]
+        if session.status != "open":
+            raise ApiError(409, f"this session's trajectory has ended ({session.reason}); open a new session",
+                           code="session_ended")
+        held = len(session.prompt_ids) + len(session.response_ids)
+        if session.conversation is not None:
+            self._check_history(session, request)
+        new = request.messages[len(session.messages):]
+        self._check_length_bound(held, new)
+        new_ids, conversation = self._new_tokens(session, request)
+        ids = new_ids if session.conversation is None else session.prompt_ids + session.response_ids + new_ids
+        if self.context_length and len(ids) > self.context_length - 2:
+            size = len(ids)
+            del ids, new_ids, conversation  # gone before the answer: see _trim_heap
+            if size > LARGE_PROMPT_TOKENS:
+                _trim_heap()
+            raise _ContextExceeded(self._too_long(f"{size} tokens", held))
+        return _Prompt(request, conversation, new_ids, ids)
+
+    def _check_history(self, session: Session, request: ChatRequest) -> None:
+        """409 when the request does not continue the session (changed tools or messages), 400 when it adds none."""
+        if request.tools != session.tools:
+            raise ApiError(409, "tools: a session's tools cannot change (they are rendered into its first "
+                                "prompt); send the same tools as its first completion, or open a new session",
+                           param="tools", code="tools_changed")
+        difference = first_difference(session.messages, request.messages)
+        if difference is not None:
+            index, why = difference
+            raise ApiError(409, f"{why}. A session's earlier messages cannot change: their tokens are recorded "
+                                f"(open a new session for another history)",
+                           param=f"messages[{index}]", code="history_changed")
+        if len(request.messages) == len(session.messages):
+            raise ApiError(400, f"messages: nothing new after the {len(session.messages)} messages this "
+                                f"session holds; add the next user or tool message(s)", param="messages")
+
+    def _check_length_bound(self, held: int, new: list[Message]) -> None:
+        """Refuse a prompt that cannot fit before tokenizing it (seconds for megabytes). A token stands for at most
+        as many characters as the longest entry of the vocabulary, so the new messages' characters give a lower
+        bound on their tokens. Counted: the contents of the messages that are not the assistant's (a template may
+        leave out an old answer's reasoning), after the tokenizer's normalizer, whitespace left out (a template may
+        trim it, a tokenizer drop it)."""
+        if not self.context_length:
+            return
+        room = self.context_length - 2 - held  # tokens the new messages may take
+        text = "".join(m["content"] for m in new if m["role"] != "assistant")
+        longest = self._longest()
+        if not longest or len(text) <= room * longest:  # fits, whatever the count: no need to count
+            return
+        normalizer = getattr(getattr(self._format_tokenizer(), "backend_tokenizer", None), "normalizer", None)
+        if normalizer is not None:
+            text = normalizer.normalize_str(text)
+        chars = len(WHITESPACE.sub("", text))
+        if chars > room * longest:
+            raise _ContextExceeded(self._too_long(
+                f"at least {held + -(-chars // longest)} tokens ({chars} characters besides whitespace in the new "
+                f"messages, at most {longest} per token)", held))
+
+    def _too_long(self, size: str, held: int) -> str:
+        session = f"; this session holds {held} tokens so far" if held else ""
+        return (f"messages: the prompt is {size}, more than the context length of {self.context_length} tokens "
+                f"allows (a prompt may have {self.context_length - 2} tokens at most, to leave room for one "
+                f"generated token{session}); shorten the new messages or open a new session")
+
+    def _format_tokenizer(self) -> Any:
+        return self.chat_format.tokenizer if self.chat_format is not None else self.tokenizer
+
+    def _longest(self) -> int:
+        """How many characters the longest vocabulary entry holds (0 when the tokenizer does not tell)."""
+        if self._longest_token is None:
+            vocab = getattr(self._format_tokenizer(), "get_vocab", None)
+            self._longest_token = max(map(len, vocab()), default=0) if callable(vocab) else 0
+        return self._longest_token
 
     def _new_tokens(self, session: Session, request: ChatRequest) -> tuple[list[int], Conversation]:
         """The tokens this request adds (the whole prompt on the first completion), and the conversation that
-        holds its messages (appended to the session's; the caller removes them if the completion fails)."""
+        holds its messages: a new one, or a copy of the session's with the new messages (the session's own is
+        replaced when the turn is recorded)."""
         try:
             if session.conversation is None:
                 conversation = Conversation(self.chat_format or self.tokenizer, request.messages, request.tools)
                 return list(conversation.prompt_ids), conversation
-            conversation = session.conversation
-            if request.tools != session.tools:
-                raise ApiError(409, "tools: a session's tools cannot change (they are rendered into its first "
-                                    "prompt); send the same tools as its first completion, or open a new session",
-                               param="tools", code="tools_changed")
-            difference = first_difference(conversation.messages, request.messages)
-            if difference is not None:
-                index, why = difference
-                raise ApiError(409, f"{why}. A session's earlier messages cannot change: their tokens are recorded "
-                                    f"(open a new session for another history)",
-                               param=f"messages[{index}]", code="history_changed")
-            new = request.messages[len(conversation.messages):]
-            if not new:
-                raise ApiError(400, f"messages: nothing new after the {len(conversation.messages)} messages this "
-                                    f"session holds; add the next user or tool message(s)", param="messages")
-            ids = conversation.extend(new)
+            conversation = copy(session.conversation)
+            conversation.messages = list(session.conversation.messages)
+            ids = conversation.extend(request.messages[len(conversation.messages):])
         except NotAppendOnly as exc:
             raise ApiError(400, str(exc), param="messages", code="template_not_append_only") from exc
-        except ApiError:
-            raise
         except Exception as exc:  # the chat template refused the messages (e.g. a system message not first)
             raise ApiError(400, f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}",
                            param="messages") from exc
         if not session.turn_closed:  # the last turn was cut (max_tokens): close it as the template renders it
             ids = [conversation.eot_id] + ids
         return ids, conversation
-
-    def _overflow(self, session: Session, request: ChatRequest, prompt: list[int]) -> dict[str, Any]:
-        """The answer when the prompt leaves no room for a generated token: ``length``, nothing generated, and
-        the trajectory ends (its tokens stay as they were)."""
-        if session.conversation is not None:
-            session.finish_reason = "length"
-        session.status = "truncated"
-        session.reason = (f"the context length ({self.context_length} tokens) reached by the prompt of completion "
-                          f"{session.turns + 1} ({len(prompt)} tokens)")
-        extra = {"session_id": session.id, "turn": None, "prompt_token_ids": prompt, "token_ids": [], "logprobs": [],
-                 "weight_version": None, "invalid_tool_calls": [], "parse_errors": 0, "schema_errors": 0,
-                 "reason": session.reason}
-        return completion_answer(completion_id=f"chatcmpl-{session.id}-overflow", model=request.model,
-                                 message={"role": "assistant", "content": ""}, finish_reason="length",
-                                 prompt_tokens=len(prompt), completion_tokens=0, logprobs=None, extra=extra)
 
     def _openai_logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any]:
         texts = self.tokenizer.batch_decode([[i] for i in ids])
@@ -281,9 +353,13 @@ class SessionServer:
         unknown = sorted(set(body) - {"metadata"})
         if unknown:
             return error_answer(400, f"unknown field(s) {', '.join(map(repr, unknown))}; expected only 'metadata'")
-        metadata = body.get("metadata") or {}
+        metadata = {} if body.get("metadata") is None else body["metadata"]
         if not isinstance(metadata, dict):
-            return error_answer(400, "metadata: expected a JSON object")
+            return error_answer(400, f"metadata: expected a JSON object, got {json.dumps(metadata)[:80]}")
+        try:
+            check_depth(metadata, "metadata")
+        except ApiError as exc:
+            return error_answer(400, str(exc))
         session = self.open(metadata)
         return json_answer({"id": session.id, "metadata": session.metadata}, status=201)
 
@@ -294,7 +370,8 @@ class SessionServer:
         self.sessions.pop(self._session(request).id)
         return web.Response(status=204)
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        session = None
         try:
             session = self.sessions.get(request.match_info["id"])
             if session is None:
@@ -304,14 +381,51 @@ class SessionServer:
                 body = await json_body(request)
             except Refused as exc:
                 raise ApiError(exc.status, str(exc)) from exc
-            return json_answer(await self.complete(session, body))
+            except ConnectionError:  # the client went away while its body was read: nobody to answer
+                return error_answer(400, "the client closed the connection before its request was read")
+            with running(session):
+                answer, commit = await self._answer(session, body)
+                response = json_answer(answer)
+                try:
+                    await response.prepare(request)
+                    await response.write_eof()
+                except ConnectionError:  # the client went away: it never had this answer, so the turn is not
+                    return response      # the session's (aiohttp gives up on the response quietly)
+                commit()
+                return response
         except Exception as exc:
             if not isinstance(exc, ApiError):  # a bug: logged with its traceback, answered like any refusal
-                logging.getLogger(__name__).exception("chat completion of session %s failed", session.id)
+                logging.getLogger(__name__).exception("chat completion of session %s failed",
+                                                      session.id if session else "?")
                 exc = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
             answer = json_answer(exc.body(), status=exc.status)
             answer.headers["x-should-retry"] = "false"  # the OpenAI client retries 409 and 5xx answers otherwise
             return answer
+
+
+def _trim_heap() -> None:
+    """Give the heap memory freed by a huge prompt back to the system. glibc keeps it for reuse otherwise: after a
+    4 MiB message of spaces was tokenized (4 M tokens) and refused, the server held 0.8 GB more that nothing
+    referenced."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def _named_abort(engine: Any) -> Callable[[str], Any] | None:
+    """``engine.abort`` when it aborts one request by its name and ``engine.generate`` takes one (``rid``, as
+    SGLang's do), else None: the router's ``abort()`` ends every request, not one."""
+    abort, generate = getattr(engine, "abort", None), getattr(engine, "generate", None)
+    if not callable(abort) or inspect.iscoroutinefunction(abort):
+        return None
+    try:
+        takes_name = list(inspect.signature(abort).parameters)[:1] != []
+        parameters = inspect.signature(generate).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    takes_rid = any(p.name == "rid" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return abort if takes_name and takes_rid else None
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 30001, tool_parser: Any = None, seed: int = 0) -> None:

@@ -1,0 +1,86 @@
+"""One session of the session server (:mod:`miles.session.server`): its messages and the exact tokens behind
+them, and the mark that lets one completion of it run at a time."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.agentic.chat import Conversation
+from miles.agentic.metrics import TOOL_STATS
+from miles.session.openai_api import ApiError, ChatRequest
+
+__all__ = ["Session", "running"]
+
+
+@dataclass
+class Session:
+    """One trajectory: the messages so far and the tokens behind them (``response_ids`` holds every token after
+    the first prompt; ``loss_mask`` is 1 on generated tokens, ``logprobs`` 0.0 elsewhere)."""
+
+    id: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    conversation: Conversation | None = None  # set by the first completion; holds the messages (normalised)
+    tools: list[dict[str, Any]] | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)  # one per completion
+    turns: int = 0
+    status: str = "open"  # "truncated": the context is full; "aborted": the engine aborted a generation (ended)
+    reason: str = ""
+    finish_reason: str | None = None  # of the last completion
+    last_text: str = ""  # the last completion's text (special tokens removed)
+    turn_closed: bool = True  # the last completion ended with the end-of-turn token
+    tool_stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOOL_STATS, 0))
+    # Why the last request was refused for the context length (400 context_length_exceeded); cleared by the next
+    # completion. The agent rollout function makes such a trajectory a truncated sample.
+    context_exceeded: str = ""
+    last: tuple[ChatRequest, dict[str, Any]] | None = field(default=None, repr=False)  # the last request and answer
+    _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set while no completion runs
+
+    def __post_init__(self) -> None:
+        self._idle.set()
+
+    @property
+    def busy(self) -> bool:
+        """A completion is running."""
+        return not self._idle.is_set()
+
+    async def wait_idle(self) -> None:
+        """Until no completion of this session runs (one whose client went away ends once the server notices)."""
+        await self._idle.wait()
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return self.conversation.messages if self.conversation is not None else []
+
+    def trajectory(self) -> dict[str, Any]:
+        """What ``GET /sessions/{id}`` answers."""
+        return {"id": self.id, "metadata": self.metadata, "status": self.status, "reason": self.reason,
+                "finish_reason": self.finish_reason, "turns": self.turns, "prompt_ids": self.prompt_ids,
+                "response_ids": self.response_ids, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
+                "weight_versions": self.weight_versions, "messages": self.messages, "tools": self.tools,
+                "tool_stats": self.tool_stats, "context_exceeded": self.context_exceeded or None}
+
+    def _append(self, ids: list[int], logprobs: list[float] | None, from_policy: bool) -> None:
+        self.response_ids += ids
+        self.loss_mask += [int(from_policy)] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+@contextmanager
+def running(session: Session) -> Iterator[None]:
+    """Marks ``session`` busy for one completion (409 ``session_busy`` when another one runs)."""
+    if session.busy:
+        raise ApiError(409, "another completion of this session is running; a session's completions run one at a "
+                            "time (its next prompt needs the previous answer)", code="session_busy")
+    session._idle.clear()
+    try:
+        yield
+    finally:
+        session._idle.set()

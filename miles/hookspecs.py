@@ -21,11 +21,11 @@ if TYPE_CHECKING:
 
     from miles.types import Group
 
-__all__ = ["hookspec", "Register", "takes_option", "ChecksArgs", "NeedsValues", "LossDefaults", "NeedsRefLogprobs",
-           "ClosingRolloutFn", "BackgroundEngine", "LoraEngine", "ServerLauncher", "is_server_launcher",
-           "ProtocolLauncher", "MemorySaverLauncher", "RoutedExpertsLauncher", "DescribedSandbox", "CheckedSandbox",
-           "HostedSandbox", "RayBackend", "uses_ray", "ClosingTransport", "DiskTransportSwitch", "SnapshotTransport",
-           "RewindableLogger"]
+__all__ = ["hookspec", "Register", "takes_option", "ChecksArgs", "NeedsLabel", "NeedsValues", "LossDefaults",
+           "NeedsRefLogprobs", "ClosingRolloutFn", "BackgroundEngine", "LoraEngine", "ServerLauncher",
+           "is_server_launcher", "ProtocolLauncher", "MemorySaverLauncher", "RoutedExpertsLauncher",
+           "DescribedSandbox", "CheckedSandbox", "HostedSandbox", "RayBackend", "uses_ray", "ClosingTransport",
+           "DiskTransportSwitch", "SnapshotTransport", "RewindableLogger"]
 
 hookspec = pluggy.HookspecMarker("miles")
 
@@ -72,6 +72,14 @@ def miles_register_rewards(register: Register) -> None:
     its instances are called like the function. The config node's other keys are passed as ``args``.
     A reward that raises or returns a non-finite value fails that sample with the reason recorded.
     """
+
+
+@runtime_checkable
+class NeedsLabel(Protocol):
+    """A reward with ``label_types`` (``exact_match``: ``(str, int, float)``; ``list``: a list of those) scores against
+    the label: data without one is refused at start, a sample without one fails uncalled (docs/rewards.md#labels)."""
+
+    label_types: tuple[type, ...]
 
 
 @hookspec
@@ -148,22 +156,19 @@ class ClosingRolloutFn(Protocol):
 def miles_register_rollout_engines(register: Register) -> None:
     """Register rollout engines, selected with ``rollout.engine.name``.
 
-    The registered factory is called with the node's arguments and returns an object with
-    ``load_model(path)``, ``async generate(input_ids, sampling_params, return_logprob)`` returning an
-    SGLang-shaped answer (``output_ids`` and ``meta_info``), ``update_weights(state_dict,
-    weight_version)`` and ``weight_version``. With ``num_engines >= 1`` the engines are served over
-    HTTP with SGLang's protocol and reached through a router.
+    The registered factory is called with the node's arguments and returns an object with ``load_model(path)``,
+    ``async generate(input_ids, sampling_params, return_logprob)`` returning an SGLang-shaped answer (``output_ids``
+    and ``meta_info``), ``update_weights(state_dict, weight_version)`` and ``weight_version``. With
+    ``num_engines >= 1`` the engines are served over HTTP with SGLang's protocol and reached through a router.
 
     A factory with ``server_launcher = True`` is a *server launcher* instead (e.g. ``sglang`` from the
-    ``miles-sglang`` plugin, the builtin ``miles_server``): built with the node's arguments, shipped to
-    each engine actor, which calls ``start(model_path, *, host, port, admin_token, threads, timeout_s)
-    -> url`` (return once the server answers; raise ``RunError`` with its log otherwise), polls
-    ``alive() -> bool`` (the actor exits when it turns false, and Ray restarts it), and calls
-    ``stop()``; ``describe() -> dict`` reports it. Its attributes ``protocol`` (``"miles"`` or
-    ``"sglang"``: what the weight transports may send it) and ``tp_size`` (ranks it takes in a
-    ``distributed`` weight group) are read in the driver. A server launcher needs
-    ``num_engines >= 1``. :class:`miles.engine.launchers.SubprocessLauncher` is the base for a
-    server command run in a process group of its own.
+    ``miles-sglang`` plugin, the builtin ``miles_server``): built with the node's arguments, shipped to each engine
+    actor, which calls ``start(model_path, *, host, port, admin_token, threads, timeout_s) -> url`` (return once the
+    server answers; raise ``RunError`` with its log otherwise), polls ``alive() -> bool`` (the actor exits when it
+    turns false, and Ray restarts it), and calls ``stop()``; ``describe() -> dict`` reports it. Its attributes
+    ``protocol`` (``"miles"`` or ``"sglang"``: what the weight transports may send it) and ``tp_size`` (ranks it
+    takes in a ``distributed`` weight group) are read in the driver. A server launcher needs ``num_engines >= 1``.
+    :class:`miles.engine.launchers.SubprocessLauncher` is the base for a server command in its own process group.
     """
 
 
@@ -223,26 +228,24 @@ class RoutedExpertsLauncher(Protocol):
 def miles_register_envs(register: Register) -> None:
     """Register environments (multi-turn tasks), selected with ``rollout.env.name``.
 
-    The registered callable (a class or a function) is the env factory: Miles calls it once per
-    trajectory as ``factory(ctx: EnvContext, **args)``, ``args`` being the node's other keys, and
-    gets a fresh env with
+    The registered callable (a class or a function) is the env factory: Miles calls it once per trajectory as
+    ``factory(ctx: EnvContext, **args)``, ``args`` being the node's other keys, and gets a fresh env with
 
-    - ``tools``: a list of tool schemas in the OpenAI function format (``[]`` for none); the tool
-      parser validates calls against them;
-    - ``async reset(sample) -> observation``: the start of the conversation: a list of chat messages,
-      one message, a string (one user message) or None (the sample's own prompt);
-    - ``async step(action: Action) -> StepResult``: called after each policy turn with its text and its
-      valid tool calls (calls that fail to parse or break a schema never reach the env: Miles answers
-      them with an error observation and counts them). ``StepResult.observation`` is appended to the
-      conversation (loss mask 0), ``done`` ends the trajectory;
-    - ``async close()``: always called once, also when the rollout fails, times out, is aborted or the
-      run stops.
+    - ``tools``: a list of tool schemas in the OpenAI function format (``[]`` for none); the tool parser validates
+      calls against them;
+    - ``async reset(sample) -> observation``: the start of the conversation: a list of chat messages, one message,
+      a string (one user message) or None (the sample's own prompt);
+    - ``async step(action: Action) -> StepResult``: called after each policy turn with its text and its valid tool
+      calls (calls that fail to parse or break a schema never reach the env: Miles answers them with an error
+      observation and counts them); ``action.cut``: the turn stopped at its token limit. ``StepResult.observation``
+      is appended to the conversation (loss mask 0), ``done`` ends the trajectory;
+    - ``async close()``: always called once, also when the rollout fails, times out, is aborted or the run stops.
 
-    ``ctx.sandbox`` opens this trajectory's sandbox (``rollout.sandbox``) on first use and Miles closes
-    it after ``close``; ``ctx.tool(name)`` finds a registered :class:`miles.Tool`. The reward: the
-    ``env`` reward (``reward.name: env``) takes the last non-None ``StepResult.reward``; any other
-    reward plugin scores the sample itself and wins (the env's reward stays in
-    ``sample.metadata["env_reward"]``). Exceptions from ``reset`` or ``step`` fail that sample only.
+    ``ctx.sandbox`` opens this trajectory's sandbox (``rollout.sandbox``) on first use and Miles closes it after
+    ``close``; ``ctx.tool(name)`` finds a registered :class:`miles.Tool`. The reward: the ``env`` reward
+    (``reward.name: env``) takes the last non-None ``StepResult.reward``; any other reward plugin scores the sample
+    itself and wins (the env's reward stays in ``sample.metadata["env_reward"]``). Exceptions from ``reset`` or
+    ``step`` fail that sample only.
     """
 
 
@@ -250,14 +253,13 @@ def miles_register_envs(register: Register) -> None:
 def miles_register_sandboxes(register: Register) -> None:
     """Register code sandboxes, selected with ``rollout.sandbox.name``.
 
-    The registered callable is called once per trajectory with the node's arguments and returns a
-    sandbox with ``async run(command: str, *, timeout_s: float, files: dict[str, bytes] | None = None)
-    -> ExecResult(stdout, stderr, exit_code, timed_out, duration_s)``: a shell command line, run in
-    the sandbox's own workspace after ``files`` (relative paths) are written there, killed with all
-    its processes after ``timeout_s`` (``exit_code`` None, ``timed_out`` True), output capped; and
-    ``async close()``, which stops everything still running and removes the workspace. Nothing the
-    command does may reach outside the workspace or the network. :class:`miles.testing.SandboxConformance`
-    is the test suite every sandbox plugin runs.
+    The registered callable is called once per trajectory with the node's arguments and returns a sandbox with
+    ``async run(command: str, *, timeout_s: float, files: dict[str, bytes] | None = None) -> ExecResult(stdout,
+    stderr, exit_code, timed_out, duration_s)``: a shell command line, run in the sandbox's own workspace after
+    ``files`` (relative paths) are written there, killed with all its processes after ``timeout_s`` (``exit_code``
+    None, ``timed_out`` True), output capped; and ``async close()``, which stops everything still running and
+    removes the workspace. Nothing the command does may reach outside the workspace or the network.
+    :class:`miles.testing.SandboxConformance` is the test suite every sandbox plugin runs.
     """
 
 
@@ -292,8 +294,8 @@ class HostedSandbox(Protocol):
 def miles_register_tools(register: Register) -> None:
     """Register tools the model may call, listed by name in an env's config (``tool_env``'s ``tools``).
 
-    A tool is a :class:`miles.Tool` (a function with an OpenAI function schema, made with
-    :func:`miles.tool`). Its result is the observation; an exception becomes an error observation.
+    A tool is a :class:`miles.Tool` (a function with an OpenAI function schema, made with :func:`miles.tool`). Its
+    result is the observation; an exception becomes an error observation.
     """
 
 

@@ -128,7 +128,7 @@ def test_overlong_prompts_are_refused_or_dropped_and_counted(capsys, tmp_path):
     args = ["train", CONFIG, *SMALL, "data.generator=null", f"data.train_path={path}"]
     code, err = cli(capsys, *args, f"run.dir={tmp_path / 'refused'}")
     assert code == 2
-    assert "1 of 26 prompt(s) leave no room" in err and "the longest, row 4, has 32 tokens; at most 28 fit" in err
+    assert "1 of 26 prompt(s) leave no room" in err and "the longest, line 4, has 32 tokens; at most 28 fit" in err
     assert main([*args, f"run.dir={tmp_path / 'dropped'}", "data.overlong_prompts=drop"]) == 0
     assert "dropped 1 prompt(s)" in capsys.readouterr().err
     assert json.loads((tmp_path / "dropped" / "summary.json").read_text())["data/dropped_prompts"] == 1

@@ -30,6 +30,7 @@ class Prepared:
         # plain reward runs on the main thread (not a watchdog's) and a breakpoint does not time the sample out
         if "timeout_s" in extra and not self.config.cluster.local_mode:
             component = with_time_limit(component, extra["timeout_s"])
+            component.miles_name = args["name"]  # what failure reasons call it: the config's name
         return component
 
 

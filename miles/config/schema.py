@@ -81,6 +81,10 @@ class DataConfig:
     shuffle: bool = key(True, doc="Serve prompts in a seeded shuffled order, reshuffled each epoch")
     overlong_prompts: str = key("error", choices=("error", "drop"),
                                 doc="Prompts that leave no room for `max_new_tokens`: refuse the run, or drop them")
+    max_unk_prompt_frac: float = key(0.0, ge=0, le=1, expected="a fraction between 0 and 1",
+                                     doc="The largest share of prompts (per file) that may hold text the tokenizer "
+                                         "cannot encode (its unknown token, `<unk>`) before the run is refused; "
+                                         "0: none may")
 
 
 @dataclass

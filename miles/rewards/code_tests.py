@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from miles.rewards.labels import require_label
 from miles.types import Sample
 
 __all__ = ["CodeTests", "last_python_block", "split_tests"]
@@ -84,6 +85,7 @@ class CodeTests:
     """
 
     miles_components = {"sandbox": "sandbox"}  # a sandbox node, built (into a factory) before this constructor runs
+    label_types = (str, list)  # the tests: a string of Python, or a list of test snippets (miles.hookspecs.NeedsLabel)
 
     def __init__(self, sandbox: Any = "local", test_timeout_s: float = 5.0, run_timeout_s: float = 30.0,
                  max_concurrent: int = 0, python: str = "python3") -> None:
@@ -109,7 +111,7 @@ class CodeTests:
                              f"got {args['max_concurrent']!r}")
 
     async def __call__(self, sample: Sample) -> dict[str, float]:
-        setup, tests = split_tests(sample.label)
+        setup, tests = split_tests(require_label(sample.label, self.label_types))
         code = last_python_block(sample.response_text)
         if code is None:
             sample.metadata["reward_info"] = {"reason": "no ```python block in the response"}

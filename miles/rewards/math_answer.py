@@ -20,6 +20,7 @@ import time
 from fractions import Fraction
 from typing import Any
 
+from miles.rewards.labels import require_label
 from miles.types import Sample
 
 __all__ = ["extract_answer", "math_reward", "same_value"]
@@ -27,6 +28,7 @@ __all__ = ["extract_answer", "math_reward", "same_value"]
 MAX_ANSWER_CHARS = 1000  # a longer "answer" is not one: scored 0 without parsing it
 STARTUP_TIMEOUT_S = 60.0  # the comparison process imports sympy once
 MAX_IDLE_WORKERS = 4
+WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_math_worker.py")  # the comparison process
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_PHRASE = re.compile(r"(?:\banswer\b(?:\s+is\b[ \t]*:?|\s*[:=])|####)[ \t]*(?:\*\*)?[ \t]*", re.IGNORECASE)
@@ -69,6 +71,7 @@ def _check_math_args(args: dict[str, Any]) -> None:
 
 
 math_reward.check_args = _check_math_args  # type: ignore[attr-defined]
+math_reward.label_types = (str, int, float)  # type: ignore[attr-defined]  # miles.hookspecs.NeedsLabel
 
 
 # -- finding the answer -------------------------------------------------------------------------------------
@@ -120,9 +123,7 @@ def _clean(answer: str) -> str:
 
 
 def _gold(label: Any) -> str:
-    if label is None:
-        raise ValueError("the sample has no label (the reference answer)")
-    text = str(label)
+    text = str(require_label(label, math_reward.label_types))
     boxed = last_boxed(text)
     return _clean(boxed if boxed is not None else text)
 
@@ -166,10 +167,9 @@ class _Worker:
     """One comparison process: a JSON request per line in, a JSON reply per line out."""
 
     def __init__(self) -> None:
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_math_worker.py")
         # -P: the script's folder is not put on sys.path (this package's modules would shadow others)
-        self.proc = subprocess.Popen([sys.executable, "-P", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     bufsize=0, close_fds=True)
+        self.proc = subprocess.Popen([sys.executable, "-P", WORKER_SCRIPT], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, bufsize=0, close_fds=True)
         self._buffer = b""
         ready = self._read_line(time.monotonic() + STARTUP_TIMEOUT_S)
         if ready is None or json.loads(ready).get("ready") is not True:

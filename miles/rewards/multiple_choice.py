@@ -6,6 +6,7 @@ import functools
 import re
 from typing import Any
 
+from miles.rewards.labels import require_label
 from miles.types import Sample
 
 __all__ = ["extract_choice", "multiple_choice"]
@@ -18,7 +19,7 @@ def multiple_choice(sample: Sample, choices: str = "ABCDE") -> float:
     the sample. A response without a choice scores 0 (``sample.metadata["reward_info"]`` says so).
     """
     letters = choices.upper()
-    label = re.fullmatch(r"\W*([A-Za-z])\W*", "" if sample.label is None else str(sample.label))
+    label = re.fullmatch(r"\W*([A-Za-z])\W*", require_label(sample.label, multiple_choice.label_types))
     if label is None or label.group(1).upper() not in letters:
         raise ValueError(f"the label {sample.label!r} is not one of the choices {letters}")
     chosen = extract_choice(sample.response_text, letters)
@@ -34,6 +35,7 @@ def _check_choices(args: dict[str, Any]) -> None:
 
 
 multiple_choice.check_args = _check_choices  # type: ignore[attr-defined]
+multiple_choice.label_types = (str,)  # type: ignore[attr-defined]  # miles.hookspecs.NeedsLabel
 
 
 def extract_choice(text: str, choices: str = "ABCDE") -> str | None:

@@ -1,14 +1,22 @@
 """The reward stage: plain, async and batched reward functions, each call under the configured time
 limit (``reward.timeout_s``), with failures recorded per sample.
 
+A sample whose label the reward cannot score against (a reward with ``label_types``,
+:class:`miles.hookspecs.NeedsLabel`: none, or of a type it does not compare) fails without a call.
+
 Under a limit, a plain (sync) reward runs in a daemon thread, one sample at a time, so that a call
 that never returns can be abandoned. Python cannot kill a thread: an abandoned one is left behind,
-and as a daemon it does not hold up the exit of the process.
+and as a daemon it does not hold up the exit of the process. One sample after another, a reward that
+hangs would cost its limit once per sample (128 samples at 1 s: minutes per step); so once
+:data:`HUNG_AFTER` calls in a row have run past the limit, the reward is taken as hung and the rest of
+the samples fail unscored, with a reason naming it. The step's ``run.max_failed_frac`` then
+decides whether the run stops. Async rewards run every sample's limit at once, a batched one has one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import math
 import threading
@@ -16,15 +24,57 @@ from collections.abc import Callable
 from typing import Any
 
 from miles import interrupts
-from miles.interrupts import failure_reason, time_limit, within
+from miles.interrupts import TimedOut, failure_reason, time_limit, within
+from miles.rewards.labels import declared_label_types, is_empty_label, label_problem, show_label
 from miles.types import Sample
 
-__all__ = ["score_samples", "score_samples_async"]
+__all__ = ["HUNG_AFTER", "reward_name", "score_samples", "score_samples_async"]
+
+HUNG_AFTER = 3  # calls of a plain reward in a row past its time limit that make it hung: the rest are not scored
 
 
 def _is_async(fn: Callable) -> bool:
     target = getattr(fn, "func", fn)  # functools.partial
     return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None))
+
+
+def reward_name(reward_fn: Callable) -> str:
+    """What failure reasons call a reward: its ``miles_name`` when set, else the name of the function or class
+    under the stage's wrappers (``functools.partial``)."""
+    obj = reward_fn
+    while True:
+        if getattr(obj, "miles_name", None):
+            return str(obj.miles_name)
+        if not isinstance(obj, functools.partial):
+            break
+        obj = obj.func
+    return getattr(obj, "__name__", None) or type(obj).__name__
+
+
+def _reason(exc: Exception, name: str) -> str:
+    """Why a call failed; a time-out names the reward (the reason still starts "reward: timed out", as counted)."""
+    if isinstance(exc, TimedOut):
+        return f"reward: {exc} (reward {name!r}, reward.timeout_s)"
+    return failure_reason("reward", exc)
+
+
+def _without_labels(samples: list[Sample], reward_fn: Callable) -> list[Sample]:
+    """Fail the samples whose label the reward cannot score against (it declares ``label_types``); the others."""
+    types = declared_label_types(reward_fn)
+    if types is None:
+        return samples
+    scorable = []
+    for sample in samples:
+        problem = label_problem(sample.label, types)
+        if problem is None:
+            scorable.append(sample)
+        elif is_empty_label(sample.label):
+            empty = "" if sample.label is None else f", only {show_label(sample.label)}"
+            sample.fail(f"reward: the sample has no label (data.label_key{empty}), which reward "
+                        f"{reward_name(reward_fn)!r} scores the response against")
+        else:
+            sample.fail(f"reward: reward {reward_name(reward_fn)!r} cannot score against the sample's label: {problem}")
+    return scorable
 
 
 def _check(sample: Sample, value: Any) -> None:
@@ -50,7 +100,7 @@ def score_samples(samples: list[Sample], reward_fn: Callable) -> None:
 
 async def score_samples_async(samples: list[Sample], reward_fn: Callable) -> None:
     """:func:`score_samples` inside a running event loop."""
-    todo = [s for s in samples if s.trainable]
+    todo = _without_labels([s for s in samples if s.trainable], reward_fn)
     if not todo:
         return
     if getattr(getattr(reward_fn, "func", reward_fn), "miles_batched", False):
@@ -66,15 +116,25 @@ async def score_samples_async(samples: list[Sample], reward_fn: Callable) -> Non
 
 async def _score_plain_limited(samples: list[Sample], reward_fn: Callable, timeout_s: float) -> None:
     """A plain reward, one sample at a time on a daemon worker thread. A call past the limit fails its
-    sample; that thread is left behind (Python cannot kill it) and a new one scores the rest."""
+    sample; that thread is left behind (Python cannot kill it) and a new one scores the rest, unless
+    :data:`HUNG_AFTER` calls in a row ran past it: then the rest fail unscored."""
     loop = asyncio.get_running_loop()
+    name, streak = reward_name(reward_fn), 0
     while samples:
+        if streak >= HUNG_AFTER:
+            for sample in samples:
+                sample.fail(f"reward: not scored: reward {name!r} looks hung (its last {streak} calls in a row ran "
+                            f"past reward.timeout_s={timeout_s:g} s)")
+            return
         results: asyncio.Queue = asyncio.Queue()
         abandoned = threading.Event()
+        taken = threading.Semaphore(0)  # released once the last result was taken: one call at a time, awaited
 
         def work(todo: list[Sample] = samples, abandoned: threading.Event = abandoned,
-                 results: asyncio.Queue = results) -> None:
-            for sample in todo:
+                 results: asyncio.Queue = results, taken: threading.Semaphore = taken) -> None:
+            for n, sample in enumerate(todo):
+                if n:
+                    taken.acquire()
                 if abandoned.is_set():
                     return
                 try:
@@ -88,33 +148,42 @@ async def _score_plain_limited(samples: list[Sample], reward_fn: Callable, timeo
 
         threading.Thread(target=work, name="miles-reward", daemon=True).start()
         todo, samples = samples, []
-        for i, sample in enumerate(todo):
-            try:
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation (Ctrl-C in
-                # asyncio.run) that arrives just as the result does, and the run would not stop
-                async with asyncio.timeout(timeout_s):
-                    value, error = await results.get()
-            except TimeoutError:
-                abandoned.set()
-                sample.fail(f"reward: timed out after {timeout_s:g} s")
-                samples = todo[i + 1:]
-                break
-            if error is None and inspect.isawaitable(value):
+        try:
+            for i, sample in enumerate(todo):
                 try:
-                    value = await within(timeout_s, value)
-                except Exception as exc:
-                    error = exc
-            if error is not None:
-                sample.fail(failure_reason("reward", error))
-            else:
-                _check(sample, value)
+                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation (Ctrl-C in
+                    # asyncio.run) that arrives just as the result does, and the run would not stop
+                    async with asyncio.timeout(timeout_s):
+                        value, error = await results.get()
+                except TimeoutError:
+                    sample.fail(_reason(TimedOut(f"timed out after {timeout_s:g} s"), name))
+                    streak += 1
+                    samples = todo[i + 1:]
+                    break
+                if error is None and inspect.isawaitable(value):
+                    try:
+                        value = await within(timeout_s, value)
+                    except Exception as exc:
+                        error = exc
+                streak = streak + 1 if isinstance(error, TimedOut) else 0
+                if error is not None:
+                    sample.fail(_reason(error, name))
+                else:
+                    _check(sample, value)
+                if streak >= HUNG_AFTER:  # awaitables past the limit: the thread is free, the reward still hung
+                    samples = todo[i + 1:]
+                    break
+                taken.release()
+        finally:  # the thread stops before its next call (after the one it is in, if that ever returns)
+            abandoned.set()
+            taken.release()
 
 
 async def _score_one(sample: Sample, reward_fn: Callable) -> None:
     try:
         value = await _call(reward_fn, sample)
     except Exception as exc:
-        sample.fail(failure_reason("reward", exc))
+        sample.fail(_reason(exc, reward_name(reward_fn)))
         return
     _check(sample, value)
 
@@ -126,7 +195,7 @@ async def _score_batch(samples: list[Sample], reward_fn: Callable) -> None:
             raise ValueError(f"returned {len(values)} rewards for {len(samples)} samples")
     except Exception as exc:
         for sample in samples:
-            sample.fail(failure_reason("reward", exc))
+            sample.fail(_reason(exc, reward_name(reward_fn)))
         return
     for sample, value in zip(samples, values):
         _check(sample, value)

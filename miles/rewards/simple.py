@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+from miles.rewards.labels import require_label
 from miles.types import Sample, SampleStatus
 
 __all__ = ["env", "exact_match"]
 
 
 def exact_match(sample: Sample, strip: bool = True, case_sensitive: bool = True) -> float:
-    """1.0 when the response text equals the label, else 0.0."""
-    response, label = sample.response_text, "" if sample.label is None else str(sample.label)
+    """1.0 when the response text equals the label (a string, or a number as its text), else 0.0. A sample
+    without a label fails: an empty response must never match a missing answer."""
+    response, label = sample.response_text, str(require_label(sample.label, exact_match.label_types))
     if strip:
         response, label = response.strip(), label.strip()
     if not case_sensitive:
         response, label = response.lower(), label.lower()
     return float(response == label)
+
+
+exact_match.label_types = (str, int, float)  # type: ignore[attr-defined]  # miles.hookspecs.NeedsLabel
 
 
 def env(sample: Sample, truncated: float = 0.0) -> float | dict[str, float]:

@@ -6,6 +6,7 @@ import re
 import string
 from collections import Counter
 
+from miles.rewards.labels import require_label
 from miles.types import Sample
 
 __all__ = ["normalize_answer", "token_f1"]
@@ -18,11 +19,13 @@ def token_f1(sample: Sample) -> float:
     """The F1 of the response's tokens against the label's (SQuAD normalisation: lower case, no
     punctuation, no articles, split on whitespace); a list label scores against its best entry.
     Two empty texts score 1.0, one empty text 0.0."""
-    labels = sample.label if isinstance(sample.label, (list, tuple)) else [sample.label]
-    if not labels or any(label is None for label in labels):
-        raise ValueError(f"the sample has no label (the reference answer, or a list of them): {sample.label!r}")
+    label = require_label(sample.label, token_f1.label_types)
+    labels = label if isinstance(label, (list, tuple)) else [label]
     response = normalize_answer(sample.response_text).split()
     return max(_f1(response, normalize_answer(str(label)).split()) for label in labels)
+
+
+token_f1.label_types = (str, int, float, list)  # type: ignore[attr-defined]  # miles.hookspecs.NeedsLabel
 
 
 def normalize_answer(text: str) -> str:

@@ -1,33 +1,58 @@
-"""Prompts from local JSONL or Parquet files, read through ``datasets``."""
+"""Prompts from local JSONL files (each line as JSON reads it) or Parquet files (read through ``datasets``), and the
+checks made on them before a run starts: every row has a prompt, every label fits the run's reward
+(:func:`check_labels`), and the tokenizer can encode the text (:func:`check_unknown_tokens`). Rows are named by
+their 1-based line in a JSONL file (blank lines counted), by their 1-based row number in a Parquet file.
+"""
 
 from __future__ import annotations
 
 import json
 import random
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from miles.errors import DataError
+from miles.rewards.labels import LabelNeed, is_empty_label, label_problem, show_label
 
-__all__ = ["Prompt", "PromptSource", "read_rows", "encode_prompt", "encode_rows"]
+__all__ = ["Prompt", "PromptSource", "Rows", "check_labels", "check_unknown_tokens", "encode_prompt", "encode_rows",
+           "read_rows", "unknown_token_id", "where_in_file"]
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 @dataclass(frozen=True)
 class Prompt:
-    index: int  # row in the source file
+    index: int  # row in the source file, from 0
     prompt: Any  # text, or a list of chat messages
     label: Any
     prompt_ids: list[int]
     extra: dict[str, Any] = field(default_factory=dict)  # the row's other columns (for envs, SFT traces)
+    line: int | None = None  # where the row is in its file: 1-based line of a JSONL file, row of a Parquet file
 
 
-def read_rows(path: str | Path, prompt_key: str, label_key: str | None) -> list[dict[str, Any]]:
-    """All rows of a JSONL or Parquet file, checked to hold ``prompt_key`` (and ``label_key``)."""
-    import datasets
+class Rows(list):
+    """The rows of a data file (dicts), with ``lines[i]``, where row ``i`` is in the file: its 1-based line in a
+    JSONL file, its 1-based row number in a Parquet file. A slice keeps the lines of its rows."""
 
+    def __init__(self, rows: Iterable[dict[str, Any]] = (), lines: Iterable[int] = ()) -> None:
+        super().__init__(rows)
+        self.lines = list(lines)
+
+    def __getitem__(self, item: Any) -> Any:
+        if isinstance(item, slice):
+            return Rows(super().__getitem__(item), self.lines[item])
+        return super().__getitem__(item)
+
+
+def read_rows(path: str | Path, prompt_key: str, label_key: str | None) -> Rows:
+    """All rows of a JSONL or Parquet file, checked to hold ``prompt_key`` (and ``label_key``), every row with
+    every column of the file (None where a JSONL row has not got it).
+
+    A JSONL line is taken as JSON reads it: a label ``"007"`` stays that string and ``7`` an integer, where
+    ``datasets`` would make both numbers of one type (``7.0``, or ``7`` for ``"007"`` in a column of mixed types)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist (expected a .jsonl or .parquet file)")
@@ -35,30 +60,53 @@ def read_rows(path: str | Path, prompt_key: str, label_key: str | None) -> list[
     if builder is None:
         raise DataError(f"data file {str(path)!r}: unsupported extension {path.suffix!r}; expected .jsonl or .parquet")
     if builder == "json":
-        _check_jsonl(path)
-    datasets.disable_progress_bars()
-    try:
-        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True)
-    except Exception as exc:
-        raise DataError(f"data file {str(path)!r} could not be read as {builder}: {type(exc).__name__}: {exc}") from exc
-    if len(dataset) == 0:
-        raise DataError(f"data file {str(path)!r} has no rows")
+        lines, raw = zip(*_read_jsonl(path))
+    else:
+        raw = _read_parquet(path)
+        lines = tuple(range(1, len(raw) + 1))
+    columns = list(dict.fromkeys(key for row in raw for key in row))
     for key, what in ((prompt_key, "data.prompt_key"), (label_key, "data.label_key")):
-        if key is not None and key not in dataset.column_names:
+        if key is not None and key not in columns:
             raise DataError(
                 f"data file {str(path)!r}: rows have no {key!r} column ({what}); its columns are: "
-                f"{', '.join(dataset.column_names)}. Set {what} to the column that holds it."
+                f"{', '.join(columns)}. Set {what} to the column that holds it."
             )
-    rows = dataset.to_list()
-    empty = [i for i, row in enumerate(rows) if row[prompt_key] in (None, "", [])]
+    _check_prompts_present(path, raw, lines, prompt_key)
+    return Rows(({column: row.get(column) for column in columns} for row in raw), lines)
+
+
+def _check_prompts_present(path: Path, rows: Sequence[dict[str, Any]], lines: Sequence[int], prompt_key: str) -> None:
+    """Every row holds a prompt: refuse, naming the lines, rows without the key (missing) or with an empty one."""
+    missing = [line for row, line in zip(rows, lines) if prompt_key not in row]
+    empty = [line for row, line in zip(rows, lines) if prompt_key in row and row[prompt_key] in (None, "", [])]
+    problems = []
+    if missing:
+        problems.append(f"{_places(path, missing)} {'has' if len(missing) == 1 else 'have'} no {prompt_key!r} "
+                        f"(missing)")
     if empty:
-        raise DataError(f"data file {str(path)!r}: row(s) {empty[:5]} have an empty {prompt_key!r}")
-    return rows
+        problems.append(f"{_places(path, empty)} {'has' if len(empty) == 1 else 'have'} an empty {prompt_key!r} "
+                        f"(null, \"\" or [])")
+    if problems:
+        raise DataError(f"data file {str(path)!r}: {'; '.join(problems)}. Every row needs a prompt "
+                        f"(data.prompt_key): text, or a list of chat messages")
 
 
-def _check_jsonl(path: Path) -> None:
-    """Name the file and the 1-based line of the first row that is not a JSON object."""
-    rows = 0
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        dataset = datasets.load_dataset("parquet", data_files=str(path), split="train", keep_in_memory=True)
+    except Exception as exc:
+        raise DataError(f"data file {str(path)!r} could not be read as parquet: {type(exc).__name__}: {exc}") from exc
+    if len(dataset) == 0:
+        raise DataError(f"data file {str(path)!r} has no rows")
+    return dataset.to_list()
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(1-based line, row) of every non-blank line; a line that is not a JSON object is an error naming it."""
+    rows = []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
@@ -76,9 +124,24 @@ def _check_jsonl(path: Path) -> None:
             if not isinstance(row, dict):
                 raise DataError(f"data file {str(path)!r}, line {number}: expected a JSON object "
                                 f"({{\"prompt\": ...}}), got {type(row).__name__}")
-            rows += 1
-    if rows == 0:
+            rows.append((number, row))
+    if not rows:
         raise DataError(f"data file {str(path)!r} has no rows (it is empty); expected one JSON object per line")
+    return rows
+
+
+def _places(path: str | Path, numbers: Sequence[int], limit: int = 10) -> str:
+    """``lines 3, 8`` (a JSONL file) or ``rows 3, 8`` (Parquet); past ``limit``, the first ones and the count."""
+    unit = "row" if str(path).lower().endswith(".parquet") else "line"
+    shown = ", ".join(map(str, numbers[:limit]))
+    if len(numbers) > limit:
+        shown += f", ... ({len(numbers)} in all)"
+    return f"{unit}{'s' if len(numbers) > 1 else ''} {shown}"
+
+
+def where_in_file(path: str | Path, prompt: Prompt) -> str:
+    """Where a prompt is in its file (``line 38``); ``row N`` from its index when its line is not known."""
+    return _places(path, [prompt.line]) if prompt.line is not None else f"row {prompt.index + 1}"
 
 
 def encode_prompt(tokenizer: Any, prompt: Any, chat_template: bool) -> list[int]:
@@ -96,10 +159,86 @@ def encode_rows(rows: list[dict[str, Any]], tokenizer: Any, *, prompt_key: str, 
                 chat_template: str | bool) -> list[Prompt]:
     """Every row as a :class:`Prompt`, its token ids encoded once (through the chat template when used)."""
     use_template = _use_chat_template(tokenizer, chat_template)
+    lines = getattr(rows, "lines", None) or [None] * len(rows)
     return [Prompt(i, row[prompt_key], row.get(label_key) if label_key else None,
                    encode_prompt(tokenizer, row[prompt_key], use_template),
-                   {k: v for k, v in row.items() if k not in (prompt_key, label_key)})
-            for i, row in enumerate(rows)]
+                   {k: v for k, v in row.items() if k not in (prompt_key, label_key)}, line)
+            for i, (row, line) in enumerate(zip(rows, lines))]
+
+
+# -- checks before a run starts -------------------------------------------------------------------------------
+
+
+def check_labels(prompts: Sequence[Prompt], path: str | Path, label_key: str, need: LabelNeed) -> None:
+    """Refuse data (a :class:`DataError` naming the file and lines) whose labels cannot be used by what needs them
+    (``need``: the run's reward, the SFT warm-up): no label at all, rows without one, or labels of another type."""
+    if not prompts:
+        return
+    path = str(path)
+    if all(q.label is None for q in prompts):
+        others = sorted({key for q in prompts for key in q.extra})
+        columns = f"its other columns are: {', '.join(others)}" if others else "it has no other column"
+        instead = "" if need.who else ", or use a reward that needs none"
+        raise DataError(
+            f"data file {path!r}: no row has a {label_key!r} (data.label_key), the reference answer that "
+            f"{need.subject} needs; {columns}. Set data.label_key to the column that holds them{instead}")
+    missing = [q.line or q.index + 1 for q in prompts if is_empty_label(q.label)]
+    if missing:
+        raise DataError(
+            f"data file {path!r}: {_places(path, missing)} ({len(missing)} of {len(prompts)} rows) "
+            f"{'has' if len(missing) == 1 else 'have'} no {label_key!r} (data.label_key; missing, null or empty), "
+            f"which {need.subject} needs. Add the labels, or remove those rows")
+    wrong = [(q, problem) for q in prompts if (problem := label_problem(q.label, need.types)) is not None]
+    if wrong:
+        first, problem = wrong[0]
+        also = [q.line or q.index + 1 for q, _ in wrong[1:]]
+        raise DataError(
+            f"data file {path!r}, {where_in_file(path, first)}: {need.subject} cannot use its {label_key!r}: "
+            f"{problem}{f' ({_places(path, also)} too)' if also else ''}")
+
+
+def unknown_token_id(tokenizer: Any) -> int | None:
+    """The token a tokenizer puts for text it cannot encode; None when it has none, or when that token is also its
+    end, start or padding token (byte-level BPE tokenizers name ``<|endoftext|>`` so, and never produce it for text:
+    every byte has a token)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return None
+    others = {getattr(tokenizer, f"{kind}_token_id", None) for kind in ("eos", "bos", "pad")}
+    return None if unk in others else unk
+
+
+def check_unknown_tokens(prompts: Sequence[Prompt], tokenizer: Any, path: str | Path, max_frac: float) -> int:
+    """How many prompts hold the tokenizer's unknown token (text it cannot encode, which the model never sees).
+    Above ``max_frac`` of them (``data.max_unk_prompt_frac``) a :class:`DataError`; below, a line on stderr."""
+    unk = unknown_token_id(tokenizer)
+    found = [q for q in prompts if unk is not None and unk in q.prompt_ids]
+    if not found:
+        return 0
+    path = str(path)
+    example = (f"{where_in_file(path, found[0])} ({show_label(found[0].prompt)}): "
+               f"{_unknown_characters(found[0].prompt, tokenizer, unk)}")
+    if len(found) > 1:
+        example += f"; also {_places(path, [q.line or q.index + 1 for q in found[1:]])}"
+    what = (f"{len(found)} of {len(prompts)} prompt(s) of data file {path!r} hold text the tokenizer cannot encode, "
+            f"which becomes {tokenizer.unk_token!r} (the model never sees it)")
+    if len(found) / len(prompts) > max_frac:
+        raise DataError(f"{what}: {example}. At most data.max_unk_prompt_frac={max_frac:g} of the prompts may; "
+                        f"normalise the text (e.g. Unicode NFKC), use a tokenizer that covers it, or raise "
+                        f"data.max_unk_prompt_frac")
+    print(f"data: {what}: {example} (allowed: data.max_unk_prompt_frac={max_frac:g})", file=sys.stderr)
+    return len(found)
+
+
+def _unknown_characters(prompt: Any, tokenizer: Any, unk: int, limit: int = 5) -> str:
+    """The characters of a prompt's text that the tokenizer cannot encode, each with its code point."""
+    text = prompt if isinstance(prompt, str) else " ".join(
+        str(m.get("content") or "") if isinstance(m, dict) else str(m) for m in prompt)
+    unknown = [c for c in dict.fromkeys(text) if unk in tokenizer(c, add_special_tokens=False)["input_ids"]]
+    if not unknown:
+        return "its text encodes, the chat template's does not (model.chat_template, data.chat_template)"
+    shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in unknown[:limit])
+    return shown + (f" and {len(unknown) - limit} more" if len(unknown) > limit else "")
 
 
 class PromptSource:

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from miles import __version__, interrupts
-from miles.errors import ConfigError, MilesError, RunError
+from miles.errors import ConfigError, MilesError, RunError, disk_problem
 from miles.interrupts import Terminated
 
 __all__ = ["main"]
@@ -345,6 +345,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MilesError as exc:
         print(f"miles: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        if (problem := disk_problem(exc)) is None:
+            raise
+        print(f"miles: error: {problem}", file=sys.stderr)
+        return 1
     except Terminated:
         print("miles: terminated (SIGTERM)", file=sys.stderr)
         return 128 + signal.SIGTERM

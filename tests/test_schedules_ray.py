@@ -6,8 +6,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import time
 
 import pytest
 
@@ -20,12 +18,11 @@ def metrics_of(run_dir):
 
 
 def ray_processes_of(run_dir):
-    """Every process whose command line names this run's Ray temp folder (Ray's daemons, the actors)."""
+    """Every process that uses this run's Ray temp folder (Ray's daemons and agents, the actors)."""
+    from miles._ray_reaper import processes_using
     from miles.cluster import RayCluster
 
-    temp_dir = str(RayCluster.temp_dir_for(run_dir))
-    ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if temp_dir in line]
+    return processes_using(str(RayCluster.temp_dir_for(run_dir)))
 
 
 def assert_accounted(rows):
@@ -144,8 +141,4 @@ def test_trainer_failure_stops_the_stream_cleanly(tmp_path):
     assert damage(ckpt) is None
     assert ckpt.loop_state()["data_position"] >= 0
     assert not (run_dir / "final_model").exists()
-    for _ in range(100):
-        if not ray_processes_of(run_dir):
-            break
-        time.sleep(0.1)
-    assert ray_processes_of(run_dir) == []
+    assert ray_processes_of(run_dir) == []  # the run's end waited for its reaper

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,15 +23,82 @@ from miles.errors import ConfigError
 __all__ = ["load_config", "parse_overrides"]
 
 
-def parse_overrides(overrides: Sequence[str]) -> DictConfig:
+def parse_overrides(overrides: Sequence[str], schema: DictConfig | None = None) -> DictConfig:
+    """``key=value`` items as one config. A value for a string key is taken literally (a path keeps its `` #``
+    and its line breaks; quote it, ``'...'``, only to say null or to strip spaces); any other value is read as
+    YAML, and refused where YAML would drop or fold part of it (a comment, a line break)."""
+    schema = structured_defaults() if schema is None else schema
+    dotlist = []
     for item in overrides:
-        key, sep, _ = item.partition("=")
+        key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. run.steps=50)")
+        value = _literal_value(key.strip(), text, _declared_type(schema, key.strip()))
+        # A literal goes through OmegaConf's YAML reading as a JSON string, which YAML reads back unchanged.
+        dotlist.append(item if value is _AS_YAML else f"{key}={json.dumps(value, ensure_ascii=False)}")
     try:
-        return OmegaConf.from_dotlist(list(overrides))
+        return OmegaConf.from_dotlist(dotlist)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot parse overrides {list(overrides)}: {exc}") from exc
+
+
+def _declared_type(schema: DictConfig, key: str) -> tuple[Any, bool] | None:
+    """(type, optional) of a key of the schema, or None for a key in an open mapping, a list or nowhere."""
+    node: Any = schema
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or "[" in part or part not in node:
+            return None
+        node = node._get_node(part)
+    meta = node._metadata
+    return (meta.ref_type, meta.optional) if not isinstance(node, DictConfig | ListConfig) else None
+
+
+_QUOTED = re.compile(r"""^\s*('.*'|".*")\s*$""", re.DOTALL)
+_COMMENT = re.compile(r"(^|\s)#")
+
+
+_AS_YAML = object()
+
+
+def _literal_value(key: str, text: str, declared: tuple[Any, bool] | None) -> Any:
+    """What an override's text means for a string key (see :func:`parse_overrides`), or ``_AS_YAML`` for any
+    other key once its text is known to read as YAML without losing a part."""
+    quoted = _QUOTED.match(text) is not None
+    if declared is not None and declared[0] is str:
+        if quoted:
+            return _yaml_value(key, text)
+        if declared[1] and text.strip() in ("null", "~"):
+            return None
+        return text
+    _yaml_value(key, text)  # its syntax, named
+    if quoted:
+        return _AS_YAML
+    if "\n" in text or "\r" in text:
+        raise ConfigError(f"override {key}={text!r} has a line break, which YAML folds into a space; "
+                          f"quote the value ('...') or remove the line break")
+    if _ends_in_comment(text):
+        comment = _COMMENT.search(text)
+        dropped = text[comment.start():].strip() if comment else "its end"
+        raise ConfigError(f"override {key}={text!r} has a '#' after a space, which YAML reads as a comment "
+                          f"(dropping {dropped!r}); quote the value ('...') or remove it")
+    return _AS_YAML
+
+
+def _ends_in_comment(text: str) -> bool:
+    """Whether YAML reads ``text`` as a value and a comment: then a character added at its end changes nothing."""
+    try:
+        return yaml.safe_load(text) == yaml.safe_load(text + "x")
+    except yaml.YAMLError:
+        return False
+
+
+def _yaml_value(key: str, text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"override {key}={text!r} is not a valid YAML value ({problem}); quote it ('...') "
+                          f"to pass it as text") from exc
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -140,7 +209,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictC
     if path is not None:
         sources.append((str(path), _read_yaml(Path(path))))
     if overrides:
-        sources.append(("overrides", parse_overrides(overrides)))
+        sources.append(("overrides", parse_overrides(overrides, schema)))
 
     merged = schema.copy()
     problems: list[str] = []
@@ -150,6 +219,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictC
         if source == "overrides":
             _reset_renamed_components(merged, leaves)
         for key, value in leaves:
+            if isinstance(value, bool) and (_declared_type(schema, key) or (None,))[0] is str:
+                value = "true" if value else "false"  # YAML's spelling, not Python's 'True'
             if element_problems := _list_problems(key, value, source, schema):
                 problems.extend(element_problems)
                 continue

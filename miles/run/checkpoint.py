@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from miles.errors import ConfigError
+from miles.errors import ConfigError, RunError, disk_cause
 
 __all__ = ["Checkpoint", "save_checkpoint", "latest_checkpoint", "newest_intact_checkpoint", "damage",
            "check_compatible", "model_signature"]
@@ -75,11 +75,33 @@ def save_checkpoint(root: Path, state: dict[str, Any], loop_state: dict[str, Any
         if final.exists():  # a step redone after resuming from an earlier checkpoint
             shutil.rmtree(final)
         os.replace(tmp, final)
+    except Exception as exc:
+        if (why := _out_of_disk(root, exc)) is not None:
+            raise RunError(f"checkpoint {final.name} could not be written under {str(root)!r}: {why}; the "
+                           f"checkpoints before it are intact: free space there, then continue with "
+                           f"run.resume=true") from exc
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for old in _complete(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old.path, ignore_errors=True)
     return final
+
+
+def _out_of_disk(root: Path, exc: Exception) -> str | None:
+    """Why a write under ``root`` failed, when the disk is the cause. A backend's writer does not always say it
+    (torch.save raises a RuntimeError, a Ray actor a RayTaskError): the file system's free space does."""
+    if (cause := disk_cause(exc)) is not None:
+        return cause
+    try:
+        stats = os.statvfs(root)
+    except OSError:
+        return None
+    free = stats.f_bavail * stats.f_frsize
+    return f"no space left on the device ({free} bytes free)" if free < _NEARLY_FULL else None
+
+
+_NEARLY_FULL = 1 << 20
 
 
 def _complete(root: Path) -> list[Checkpoint]:

@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from miles.run.lock import LOCK_NAME
 from miles.run.checkpoint import Checkpoint, check_compatible, model_signature, newest_intact_checkpoint
 from miles.config.schema import EvalDatasetConfig, EvalSamplingConfig
 from miles.config.validate import component_node, split_node
@@ -28,7 +29,9 @@ from miles.errors import ConfigError, DataError
 from miles.hookspecs import LoraEngine, uses_ray
 from miles.loop.evaluation import EvalSet, read_eval_sets
 from miles.models.hf import build_model_dir, context_length, load_tokenizer, read_chat_template
-from miles.rollout.data_source import Prompt, encode_rows, read_rows
+from miles.rewards.labels import LabelNeed, label_need
+from miles.rollout.data_source import (Prompt, check_labels, check_unknown_tokens, encode_rows, read_rows,
+                                       where_in_file)
 from miles.train.assemble import build_backend
 
 __all__ = ["Staged", "chat_format", "eval_inputs", "preflight", "run_tokenizer"]
@@ -55,6 +58,8 @@ class Staged:
         """Lay out the run directory: clear it (``run.overwrite``), move staged data and model in."""
         if overwrite and self.run_dir.is_dir():
             for entry in self.run_dir.iterdir():
+                if entry.name == LOCK_NAME:  # this run's own
+                    continue
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry)
                 else:
@@ -84,7 +89,8 @@ def _check_run_dir(run_cfg: Any) -> Path:
                           "overwrite deletes it; choose one")
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir {str(run_dir)!r} is a file; expected a directory for the run's outputs")
-    if run_dir.is_dir() and any(run_dir.iterdir()) and not (run_cfg.resume or run_cfg.overwrite):
+    holds_a_run = run_dir.is_dir() and any(entry.name != LOCK_NAME for entry in run_dir.iterdir())
+    if holds_a_run and not (run_cfg.resume or run_cfg.overwrite):
         raise ConfigError(
             f"run.dir {str(run_dir)!r} already holds a run. Continue it with run.resume=true, or start a new "
             f"one in another directory (run.dir=...), or replace it with run.overwrite=true")
@@ -133,8 +139,8 @@ def _fit_context(prompts: list[Prompt], path: str, room: int, context: int, poli
         longest = max(prompts, key=lambda q: len(q.prompt_ids))
         raise DataError(
             f"data file {path!r}: {over} of {len(prompts)} prompt(s) leave no room for "
-            f"rollout.sampling.max_new_tokens={room} in the model's context of {context} tokens (the longest, row "
-            f"{longest.index + 1}, has {len(longest.prompt_ids)} tokens; at most {context - room} fit). "
+            f"rollout.sampling.max_new_tokens={room} in the model's context of {context} tokens (the longest, "
+            f"{where_in_file(path, longest)}, has {len(longest.prompt_ids)} tokens; at most {context - room} fit). "
             f"Shorten them, lower max_new_tokens, or drop them with data.overlong_prompts=drop")
     if over and not fits:
         raise DataError(f"data file {path!r}: every prompt is longer than the context allows "
@@ -263,12 +269,33 @@ def _check_traces(prompts: list[Prompt], tokenizer: Any, key: str, path: str, co
         try:
             sample = conversation_sample(prompt, tokenizer, prompt.extra.get(key), key)
         except Exception as exc:
-            raise DataError(f"data file {str(path)!r}, row {prompt.index}: sft.messages_key {key!r}: "
+            raise DataError(f"data file {str(path)!r}, {where_in_file(path, prompt)}: sft.messages_key {key!r}: "
                             f"{exc if isinstance(exc, DataError) else f'{type(exc).__name__}: {exc}'}") from None
         if len(sample.prompt_ids) + len(sample.response_ids) > context:
-            raise DataError(f"data file {str(path)!r}, row {prompt.index}: the conversation under {key!r} takes "
-                            f"{len(sample.prompt_ids) + len(sample.response_ids)} tokens, more than the context of "
-                            f"{context}")
+            raise DataError(f"data file {str(path)!r}, {where_in_file(path, prompt)}: the conversation under {key!r} "
+                            f"takes {len(sample.prompt_ids) + len(sample.response_ids)} tokens, more than the context "
+                            f"of {context}")
+
+
+def _check_prompt_data(p: Any, tokenizer: Any, files: list[tuple[str | None, list[Prompt]]], scored: bool,
+                       sft: bool = False) -> int:
+    """The prompts of each ``(path, prompts)`` against the tokenizer and what reads their labels: at most
+    ``data.max_unk_prompt_frac`` of them hold text the tokenizer cannot encode; with ``scored`` (the reward will
+    score them), each has a label the reward can score against when it needs one; with ``sft`` (the first file
+    trains the SFT warm-up on its labels), each of the first file's has one. The first file's count of prompts
+    with unknown tokens, for the summary."""
+    config = p.config
+    need = label_need(p.registry, component_node(config.reward)) if scored else None
+    counts = []
+    for i, (path, prompts) in enumerate(files):
+        if path and prompts:
+            counts.append(check_unknown_tokens(prompts, tokenizer, path, float(config.data.max_unk_prompt_frac)))
+            if sft and i == 0:
+                check_labels(prompts, path, config.data.label_key,
+                             LabelNeed("sft", (str, int, float), who="the SFT warm-up (sft.steps > 0)"))
+            if need is not None:
+                check_labels(prompts, path, config.data.label_key, need)
+    return counts[0] if counts else 0
 
 
 def run_tokenizer(p: Any, model_path: str) -> Any:
@@ -304,6 +331,26 @@ def chat_format(p: Any, tokenizer: Any, model_path: str) -> Any:
     return bound
 
 
+def scratch_folder(kind: str) -> Path:
+    """A new folder of this process under $TMPDIR, ``miles-<kind>-<pid>-*``. Those of processes that are gone are
+    removed first: a run killed while it set up leaves its folder, and nothing else would remove it."""
+    for old in Path(tempfile.gettempdir()).glob(f"miles-{kind}-*-*"):
+        pid = old.name.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"miles-{kind}-{os.getpid()}-"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def eval_inputs(p: Any, model_path: str) -> tuple[Any, list[EvalSet]]:
     """What ``miles eval`` needs: the model's tokenizer and the eval section's datasets (generated data is made in
     a folder removed afterwards). Without ``eval.datasets``, one dataset ``heldout``: the first ``run.eval_size``
@@ -316,11 +363,14 @@ def eval_inputs(p: Any, model_path: str) -> tuple[Any, list[EvalSet]]:
         config.eval.datasets = [EvalDatasetConfig(name="heldout", max_prompts=config.run.eval_size,
                                                   pass_reward=config.run.eval_pass_reward,
                                                   sampling=EvalSamplingConfig(temperature=0.0))]
-    staging = Path(tempfile.mkdtemp(prefix="miles-eval-"))
+    staging = scratch_folder("eval")
     try:
         _, eval_path = _stage_data(p, staging)
         tokenizer = run_tokenizer(p, model_path)
-        return tokenizer, read_eval_sets(config, tokenizer, eval_path, context_length(model_path))
+        eval_sets = read_eval_sets(config, tokenizer, eval_path, context_length(model_path))
+        _check_prompt_data(p, tokenizer, [(ds.path or eval_path, es.prompts)
+                                          for ds, es in zip(config.eval.datasets, eval_sets)], scored=True)
+        return tokenizer, eval_sets
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -333,7 +383,7 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
     if run_cfg.steps > 0:
         batch_arithmetic(config)
     ray_num_cpus = _check_cpus(config, backend)
-    staging = Path(tempfile.mkdtemp(prefix="miles-staging-"))
+    staging = scratch_folder("staging")
     try:
         train_path, eval_path = _stage_data(p, staging)
         model_path, staged_model = _stage_model(p, staging)
@@ -363,10 +413,14 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
                 print(f"data: dropped {count} prompt(s) of {path} longer than the context of {context} tokens less "
                       f"max_new_tokens={room} (data.overlong_prompts=drop)", file=sys.stderr)
         eval_sets = read_eval_sets(config, tokenizer, eval_path, context) if run_cfg.steps > 0 else []
+        unk_prompts = _check_prompt_data(p, tokenizer, [(train_path, train_prompts), (eval_path, eval_prompts)] + [
+            (ds.path or eval_path, es.prompts) for ds, es in zip(config.eval.datasets, eval_sets)], run_cfg.steps > 0,
+            sft=config.sft.steps > 0 and not config.sft.messages_key)
         resume_from = _resume_checkpoint(run_dir, p, model_path, stack) if run_cfg.resume else None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Staged(run_dir, staging, model_path, tokenizer, train_prompts, eval_prompts, resume_from, ray_num_cpus,
-                  {"data/dropped_prompts": dropped, "data/dropped_eval_prompts": dropped_eval}, eval_sets, bound_format,
+                  {"data/dropped_prompts": dropped, "data/dropped_eval_prompts": dropped_eval,
+                   "data/unk_prompts": unk_prompts}, eval_sets, bound_format,
                   staged_model)

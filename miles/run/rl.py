@@ -173,8 +173,8 @@ class RLPhase:
         run.p.pm.hook.miles_train_step_end(step=step, metrics=metrics)
         for logger in run.loggers:
             logger.log(step, metrics)
-        if not math.isnan(metrics["reward/mean"]):  # nan: no sample finished in the step (a streaming schedule
-            self.rewards.append(metrics["reward/mean"])  # can train groups that finished before the step began)
+        if not math.isnan(metrics["reward/mean"]):  # nan: the step trained nothing (selection removed every group)
+            self.rewards.append(metrics["reward/mean"])
         if run_cfg.save_every and (step + 1) % run_cfg.save_every == 0:
             self.checkpoint(step + 1)
         reward = {"reward": f"{fmean(self.rewards[-10:]):.3f}"} if self.rewards else {}  # the mean of the last 10

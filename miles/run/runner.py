@@ -26,7 +26,8 @@ from miles.loop.sft import sft_step
 from miles.registry import plugin_stack
 from miles.rollout.assemble import close_with_run, rollout_context, rollout_plane
 from miles.rollout.data_source import PromptSource
-from miles.run.preflight import batch_arithmetic, chat_format, eval_inputs, preflight
+from miles.run.lock import RunDirLock
+from miles.run.preflight import Staged, batch_arithmetic, chat_format, eval_inputs, preflight
 from miles.run.progress import progress
 from miles.run.rl import RLPhase
 from miles.run.state import RunState, start_loggers
@@ -109,12 +110,20 @@ def train(p: Prepared) -> dict[str, Any]:
     """Run every phase; returns the summary (also written to ``<run.dir>/summary.json``).
 
     Every check runs first (:func:`miles.run.preflight.preflight`); ``run.dir`` changes only after all passed.
+    The run holds ``run.dir`` (:class:`miles.run.lock.RunDirLock`) from before its checks to its end.
     """
-    config, run_cfg, started = p.config, p.config.run, time.perf_counter()
-    seed = int(run_cfg.seed)
+    run_cfg, started = p.config.run, time.perf_counter()
     stack = plugin_stack(p.pm, p.registry)
-    staged = preflight(p, stack)
-    staged.commit(overwrite=bool(run_cfg.overwrite))
+    with RunDirLock(Path(run_cfg.dir)) as lock:
+        staged = preflight(p, stack)
+        staged.commit(overwrite=bool(run_cfg.overwrite))
+        lock.keep()
+        return _train(p, staged, stack, started)
+
+
+def _train(p: Prepared, staged: Staged, stack: list[dict[str, Any]], started: float) -> dict[str, Any]:
+    config, run_cfg = p.config, p.config.run
+    seed = int(run_cfg.seed)
     run_dir, model_path, tokenizer = staged.run_dir, staged.model_path, staged.tokenizer
     torch.manual_seed(seed)
     if run_cfg.torch_threads > 0:

@@ -32,10 +32,11 @@ class ScriptedPolicy:
     end-of-turn token), with the real model's log-probs of those tokens. ``abort_at``: the call that is
     cut after ``abort_after`` tokens, as an engine abort would."""
 
-    def __init__(self, engine, turns, abort_at=None, abort_after=2):
+    def __init__(self, engine, turns, abort_at=None, abort_after=2, cut=False):
         self.engine, self.turns, self.abort_at, self.abort_after, self.calls = (
             engine, list(turns), abort_at, abort_after, 0)
         self.prompts = []
+        self.cut = cut  # every turn stops at its token limit (finish "length", no end-of-turn token)
 
     async def generate(self, input_ids, sampling_params, return_logprob=True):
         tokenizer = self.engine.tokenizer
@@ -45,6 +46,9 @@ class ScriptedPolicy:
             self.turns[0] = tokenizer.decode(
                 tokenizer.encode(self.turns[0], add_special_tokens=False)[self.abort_after:])
             finish = {"type": "abort", "message": "aborted"}
+        elif self.cut:
+            ids = tokenizer.encode(self.turns.pop(0), add_special_tokens=False)
+            finish = {"type": "length", "length": len(ids)}
         else:
             ids = (tokenizer.encode(self.turns.pop(0), add_special_tokens=False)
                    + [tokenizer.convert_tokens_to_ids("<|im_end|>")])
@@ -174,6 +178,47 @@ def test_limits_truncate_with_the_reason(engine, limits, reason):
     if "max_total_tokens" in limits:  # here the observation after turn 1 is what does not fit
         assert sample.reason == "max_total_tokens (12) reached by the observation after turn 1"
         assert len(sample.response_ids) <= 12
+
+
+class ActionRecorder(CountingEnv):
+    """CountingEnv that keeps each action it was given."""
+
+    def __init__(self, ctx, steps=3):
+        super().__init__(ctx, steps=steps)
+        self.actions = []
+
+    async def step(self, action):
+        self.actions.append(action)
+        return await super().step(action)
+
+
+@pytest.mark.parametrize("on_cut_turn", ["env", "end"])
+def test_a_turn_cut_at_its_token_limit_is_named_counted_and_goes_to_the_env_unless_told(engine, on_cut_turn):
+    """Every turn stops at max_new_tokens. ``env`` (the default): the env sees each cut turn (``Action.cut``) and
+    decides; the next observation opens with the end of turn the cut turn lacks. ``end``: the trajectory ends
+    at the first cut. Either way the sample is TRUNCATED naming the turn, its response_text is the cut turn's
+    text, and the cut turns are counted."""
+    envs = []
+    policy = ScriptedPolicy(engine, ["The answer is", "still thinking", "4 2 0"], cut=True)
+    ctx = _ctx(engine, lambda c: envs.append(ActionRecorder(c)) or envs[-1], max_new_tokens=3)
+    ctx.engine = policy
+    sample = Sample(prompt_ids=[0], prompt="2*3=")
+    rollout = MultiTurn(max_turns=8) if on_cut_turn == "env" else MultiTurn(max_turns=8, on_cut_turn="end")
+    asyncio.run(rollout(sample, ctx))
+    turns = 3 if on_cut_turn == "env" else 1
+    assert sample.status is SampleStatus.TRUNCATED and sample.turns == turns
+    assert sample.reason == f"turn {turns} cut at rollout.sampling.max_new_tokens (3)" + (
+        "; the env ended the trajectory" if on_cut_turn == "env" else "")
+    assert sample.response_text == ["The answer is", "still thinking", "4 2 0"][turns - 1]
+    assert [a.cut for a in envs[0].actions] == [True] * (turns if on_cut_turn == "env" else 0)
+    assert agentic_metrics([sample])["turns/cut"] == turns
+    text = engine.tokenizer.decode(sample.prompt_ids + sample.response_ids)
+    if on_cut_turn == "env":  # token in, token out: the end of each cut turn comes with the next observation
+        assert "assistant\nThe answer is<|im_end|>\n<|im_start|>user\nobs 1<|im_end|>\n" in text
+        assert policy.prompts[-1] == (sample.prompt_ids + sample.response_ids)[: len(policy.prompts[-1])]
+        assert [m for m, _ in _segments(sample)] == [1, 0, 1, 0, 1]
+    else:
+        assert text.endswith("assistant\nThe answer is")
 
 
 def test_a_trajectory_past_the_context_is_truncated(engine):

@@ -68,6 +68,7 @@ class Recorder:
         self.seeded = seed is not None
         self.trained = []  # per step: [(group index, row, [start versions], [weight_versions], off-policy tokens)]
         self.metrics = []
+        self.batch_rewards = []  # per step: the mean reward of the batch trained
         self.engine = None
         self.hold_second_batch = hold_second_batch
 
@@ -92,6 +93,8 @@ class Recorder:
 
     @miles.hookimpl
     def miles_rollout_end(self, step, groups):
+        rewards = [r for g in groups for r in g.rewards]
+        self.batch_rewards.append(sum(rewards) / len(rewards) if rewards else None)
         self.trained.append([(g.index, g.samples[0].metadata["row"], [s.start_version for s in g.samples],
                               [list(s.weight_versions) for s in g.samples], [s.off_policy_tokens for s in g.samples])
                              for g in groups])
@@ -154,6 +157,10 @@ def test_staleness_never_exceeds_the_bound_and_every_group_is_accounted_for(tmp_
         assert m["async/groups_admitted"] == (trained + removed + stale_count + m["async/in_flight_groups"]
                                               + m["async/buffer_groups"]), (where, m)
         assert m["async/staleness_max"] <= k
+    # reward/mean is the trained batch's, on every step (also one where no sample finished since the last batch)
+    assert [m["reward/mean"] for m in recorder.metrics] == pytest.approx(recorder.batch_rewards), where
+    assert all(m["reward/finished_mean"] == m["reward/finished_mean"] or m["samples/total"] == 0
+               for m in recorder.metrics), where
 
 
 @pytest.mark.slow

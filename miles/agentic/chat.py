@@ -63,6 +63,7 @@ class Conversation:
         self.messages: list[Message] = list(messages)
         self.policy_turns = 0
         self._last_token: int | None = None  # the last token the policy generated in its last turn
+        self._cut = False  # whether that turn stopped at its token limit
         self.prompt_ids = self.encode(self.render(self.messages, generation_prompt=True))
 
     @property
@@ -83,18 +84,24 @@ class Conversation:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def add_policy_turn(self, message: Message, last_token_id: int | None = None) -> None:
+    def add_policy_turn(self, message: Message, last_token_id: int | None = None, cut: bool = False) -> None:
         """Record the assistant message a generated turn stands for (its tokens stay as generated);
-        ``last_token_id``: the turn's last generated token (its stop token, when it stopped at one)."""
+        ``last_token_id``: the turn's last generated token (its stop token, when it stopped at one); ``cut``: the
+        turn stopped at its token limit, so the next observation starts with the end of turn it lacks."""
         self.messages.append(message)
         self.policy_turns += 1
         self._last_token = last_token_id
+        self._cut = cut
 
     def _boundary(self, before: str, after: str) -> tuple[int, int]:
         """``(cut, start)``: the renderings must agree up to ``cut``; the new tokens start at ``start``."""
         if not self.messages or self.messages[-1].get("role") != "assistant":
             return len(before), len(before)
         fmt = self.format
+        if self._cut:  # the turn's tokens end in its text: the end of turn is the observation's to add
+            starts = [before.rfind(t) for t in fmt.format.end_of_turn if before.rfind(t) >= 0]
+            cut = max(starts) if starts else len(before)
+            return cut, cut
         if self._last_token is not None and self._last_token in fmt.next_role_ids:
             text = fmt.token_text(self._last_token)
             if after.startswith(text, len(before)):

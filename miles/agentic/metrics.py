@@ -27,6 +27,7 @@ def agentic_metrics(samples: list[Sample]) -> dict[str, float]:
     metrics.update({
         "turns/mean": fmean(s.turns for s in agentic),
         "turns/max": max(s.turns for s in agentic),
+        "turns/cut": sum(s.metadata.get("turns_cut", 0) for s in agentic),  # at rollout.sampling.max_new_tokens
         "tools/calls": counts["calls"],
         "tools/success_rate": counts["succeeded"] / counts["calls"] if counts["calls"] else 0.0,
         "tools/parse_errors": counts["parse_errors"],

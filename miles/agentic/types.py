@@ -66,11 +66,14 @@ class ToolCall:
 @dataclass
 class Action:
     """One policy turn as an environment sees it: the generated text (special tokens removed), the
-    valid tool calls in it, and the generated token ids."""
+    valid tool calls in it, and the generated token ids. ``cut``: the turn stopped at its token limit
+    (``rollout.sampling.max_new_tokens``) before the model ended it; the env may end the trajectory or answer
+    (``multi_turn``'s ``on_cut_turn: env``, the default)."""
 
     text: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    cut: bool = False
 
 
 @dataclass

@@ -99,10 +99,14 @@ def rollout_metrics(c: Step, collected: Collected, rollout_s: float, prefill_bef
     # Prompt tokens this step's requests asked the engines to prefill, and those their prefix caches spared.
     after = prefill_after if prefill_after is not None else c.plane.prefill_counts()
     requested, computed = (max(0, a - b) for a, b in zip(after, prefill_before))
-    rewarded = [s for s in samples if s.trainable]
+    trained = [s for g in collected.groups for s in g.trainable_samples]
+    finished = [s for s in samples if s.trainable]
     response_tokens = sum(len(s.response_ids) for s in samples)
     return {
-        "reward/mean": fmean(s.scalar_reward for s in rewarded) if rewarded else float("nan"),
+        # The batch trained at this step; in a streaming schedule it may hold groups that finished before the
+        # step began, so the samples that finished for this step are a figure of their own.
+        "reward/mean": fmean(s.scalar_reward for s in trained) if trained else float("nan"),
+        "reward/finished_mean": fmean(s.scalar_reward for s in finished) if finished else float("nan"),
         "response/length_mean": fmean(len(s.response_ids) for s in samples) if samples else 0.0,
         "rollout/truncated_frac": (sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples)
                                    if samples else 0.0),

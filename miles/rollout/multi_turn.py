@@ -23,6 +23,12 @@ from miles.types import Sample, SampleStatus
 
 __all__ = ["MultiTurn"]
 
+_PER_TURN = "rollout.sampling.max_new_tokens"
+
+
+def _cut_reason(turn: int, limit: str) -> str:
+    return f"turn {turn} cut at {limit}" if limit.startswith(_PER_TURN) else limit
+
 
 @dataclass
 class _Trajectory:
@@ -48,13 +54,19 @@ class MultiTurn:
     ``max_turns``: policy turns per trajectory; ``max_total_tokens``: response tokens (observations
     included) per trajectory, 0 for the context length only; ``tools_in_prompt``: render the env's tool
     schemas into the prompt with the chat template (off for a small model that learned the format).
-    The per-turn limit is ``rollout.sampling.max_new_tokens``.
+    The per-turn limit is ``rollout.sampling.max_new_tokens``; ``on_cut_turn``: what a turn cut by it does:
+    ``env`` steps the env with it (``Action.cut`` is true), which ends the trajectory or answers and goes on;
+    ``end`` ends the trajectory there. Either way the sample is TRUNCATED, its reason names the turn.
     """
 
-    def __init__(self, max_turns: int = 8, max_total_tokens: int = 0, tools_in_prompt: bool = True) -> None:
+    def __init__(self, max_turns: int = 8, max_total_tokens: int = 0, tools_in_prompt: bool = True,
+                 on_cut_turn: str = "env") -> None:
         if max_turns < 1 or max_total_tokens < 0:
             raise ValueError(f"max_turns must be >= 1 and max_total_tokens >= 0, got {max_turns}, {max_total_tokens}")
+        if on_cut_turn not in ("env", "end"):
+            raise ValueError(f"on_cut_turn must be 'env' or 'end', got {on_cut_turn!r}")
         self.max_turns, self.max_total_tokens, self.tools_in_prompt = max_turns, max_total_tokens, tools_in_prompt
+        self.on_cut_turn = on_cut_turn
         self._suspended: dict[str, _Trajectory] = {}  # aborted trajectories, continued in a later step
 
     async def __call__(self, sample: Sample, ctx: RolloutContext) -> Sample:
@@ -118,8 +130,8 @@ class MultiTurn:
 
     def _budget(self, sample: Sample, ctx: RolloutContext, in_turn: int) -> tuple[int, str]:
         """Tokens the next generation may add (the turn's own limit included), and the limit that binds."""
-        per_turn = (int(ctx.sampling_params.get("max_new_tokens", 16)) - in_turn, "max_new_tokens reached")
-        return min(self._room(sample, ctx), per_turn)
+        per_turn = int(ctx.sampling_params.get("max_new_tokens", 16))
+        return min(self._room(sample, ctx), (per_turn - in_turn, f"{_PER_TURN} ({per_turn})"))
 
     async def _turns(self, trajectory: _Trajectory, sample: Sample, ctx: RolloutContext) -> bool:
         """Run turns until the trajectory ends (False) or is aborted to be continued later (True)."""
@@ -147,36 +159,43 @@ class MultiTurn:
                 sample.status, sample.reason = (SampleStatus.ABORTED,
                                                 str(meta["finish_reason"].get("message", "aborted")))
                 return True
-            if finish == "length":
-                sample.turns += 1
-                sample.status, sample.reason = SampleStatus.TRUNCATED, limit
-                return False
-
             sample.turns += 1
             turn_ids = sample.response_ids[trajectory.turn_start:]
             turn = read_turn(conversation.format, turn_ids, trajectory.tools, tool_parser=ctx.tool_parser,
                              first_call_index=stats["calls"], seed=sample.metadata["trajectory"])
             text, checked = turn.text, turn.checked
             sample.response_text = turn.answer  # without its reasoning: what a reward scores
+            cut = finish == "length"
+            if cut:
+                sample.status, sample.reason = SampleStatus.TRUNCATED, _cut_reason(sample.turns, limit)
+                if not limit.startswith(_PER_TURN):
+                    return False  # the trajectory's own room is used up: there is no next turn
+                sample.metadata["turns_cut"] = sample.metadata.get("turns_cut", 0) + 1
+                if self.on_cut_turn == "end":
+                    return False
             valid = checked.valid
             stats["calls"] += len(checked.calls)
             stats["parse_errors"] += checked.parse_errors
             stats["schema_errors"] += checked.schema_errors
-            conversation.add_policy_turn(turn.message, turn_ids[-1] if turn_ids else None)
+            conversation.add_policy_turn(turn.message, turn_ids[-1] if turn_ids else None, cut=cut)
             # Calls that cannot run are answered here, with the reason; the env sees the valid ones only.
             messages = [{"role": "tool", "name": c.name, "tool_call_id": c.id, "content": f"error: {c.error}"}
                         for c in checked.calls if c.error is not None]
             done = False
             if valid or not checked.calls:
-                result = await trajectory.env.step(Action(text, valid, list(turn_ids)))
+                result = await trajectory.env.step(Action(text, valid, list(turn_ids), cut=cut))
                 messages += normalize_messages(result.observation, role="tool" if valid else "user")
                 if result.reward is not None:
                     sample.metadata["env_reward"] = result.reward
                 done = bool(result.done)
                 self._count_results(valid, result.info.get("tool_results"), stats, sample.metadata["exec_s"])
             if done:
-                sample.status = SampleStatus.COMPLETED
+                if cut:
+                    sample.reason += "; the env ended the trajectory"
+                else:
+                    sample.status = SampleStatus.COMPLETED
                 return False
+            sample.status, sample.reason = SampleStatus.PENDING, None  # the env goes on after a cut turn
             if sample.turns >= self.max_turns:
                 sample.status, sample.reason = SampleStatus.TRUNCATED, f"max_turns ({self.max_turns}) reached"
                 return False

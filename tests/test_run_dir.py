@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -114,10 +115,18 @@ def generator_held_on_a_fifo(seed: int, fifo: str) -> dict:
     raise AssertionError("nothing writes this FIFO")
 
 
+def generator_gated_on_a_fifo(seed: int, fifo: str) -> dict:
+    """The quickstart's data generator, once the test writes ``go`` into a FIFO (import path
+    ``tests.test_run_dir:generator_gated_on_a_fifo``): a run using it holds its run.dir until then."""
+    from miles.builtin.data import addition
+
+    with open(fifo) as f:
+        assert f.read() == "go"
+    return addition(seed)
+
+
 def wait_for_holder(lock: Path, process: subprocess.Popen) -> None:
     """Until ``process`` has written its pid into the lock file (it holds the lock from then on)."""
-    import time
-
     while process.poll() is None:
         try:
             if json.loads(lock.read_text() or "{}").get("pid") == process.pid:
@@ -157,6 +166,31 @@ def test_a_second_run_on_a_held_run_dir_is_refused_and_a_killed_holder_leaves_it
     assert main(["train", CONFIG, *TINY, f"run.dir={run_dir}"]) == 0
     assert (run_dir / "metrics.jsonl").is_file() and not (run_dir / LOCK_NAME).exists()
     assert not staging[0].exists()  # removed by the next run's start
+
+
+def test_two_runs_started_at_once_on_one_new_run_dir_one_trains_the_other_is_refused(tmp_path):
+    """Both start at the same moment on a directory that does not exist yet. The winner of the lock waits in its
+    data generator until the loser has exited, so the loser always meets a held lock, whoever wins."""
+    run_dir, fifo = tmp_path / "new" / "run", tmp_path / "gate"
+    os.mkfifo(fifo)
+    gated = ["data.generator.name=tests.test_run_dir:generator_gated_on_a_fifo", f"data.generator.fifo={fifo}"]
+    runs = [miles_train(f"run.dir={run_dir}", *gated) for _ in range(2)]
+    try:
+        while all(r.poll() is None for r in runs):
+            time.sleep(0.05)
+        loser = next(r for r in runs if r.poll() is not None)
+        winner = next(r for r in runs if r is not loser)
+        err = loser.communicate()[1]
+        assert loser.returncode == 2 and f"is in use by another run (pid {winner.pid} on " in err, err
+        fifo.write_text("go")
+        out, err = winner.communicate(timeout=300)
+        assert winner.returncode == 0, err
+    finally:
+        for r in runs:
+            r.kill() if r.poll() is None else None
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]
+    assert json.loads((run_dir / "run.json").read_text())["config"]["run"]["dir"] == str(run_dir)
+    assert not (run_dir / LOCK_NAME).exists()
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")

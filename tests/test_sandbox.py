@@ -4,9 +4,12 @@ may do to it (loop forever, fork bomb, eat memory, flood output, escape the work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from miles.agentic.sandboxes import local as sandboxes
+from miles.agentic.sandboxes import processes
 from miles.agentic.sandboxes.local import LocalSandbox, describe_isolation
 from miles.testing import SandboxConformance, make_registry
 
@@ -25,6 +29,7 @@ needs_bwrap = pytest.mark.skipif(sandboxes.bwrap_problem() is not None,
                                  reason=f"bwrap does not work here: {sandboxes.bwrap_problem()}")
 MODES = [pytest.param("bwrap", marks=needs_bwrap), "subprocess"]
 gone, unique_sleep = SandboxConformance.wait_until_gone, SandboxConformance.unique_sleep
+sleeping = SandboxConformance.pids_of  # the pids of a command itself, not of the shells that mention it
 
 
 @needs_bwrap
@@ -223,18 +228,6 @@ def test_close_while_a_run_is_starting_ends_it(isolation: str) -> None:
     assert gone(sleep) == []
 
 
-def sleeping(command: str) -> list[int]:
-    """The pids of ``command`` itself (not of the shells whose command lines hold it)."""
-    pids = []
-    for pid in SandboxConformance.pids_running(command):
-        try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0"):
-                pids.append(pid)
-        except OSError:
-            pass  # it ended meanwhile
-    return pids
-
-
 @pytest.mark.parametrize("isolation", MODES)
 def test_stdin_is_empty(isolation: str) -> None:
     result, _ = run("cat; echo done", timeout_s=20, isolation=isolation)
@@ -242,26 +235,124 @@ def test_stdin_is_empty(isolation: str) -> None:
 
 
 @pytest.mark.parametrize("isolation", MODES)
-def test_no_sandbox_process_outlives_a_rollout_killed_while_it_starts(isolation: str, workspace_root: str) -> None:
-    """Rollouts (forks of one process) SIGKILLed a few milliseconds after their run starts, while bwrap's
-    --die-with-parent may not be in place yet."""
-    sleeps = [unique_sleep() for _ in range(10)]
-    script = textwrap.dedent(f"""
-        import asyncio, os, random, signal, time
-        from miles.agentic.sandboxes.local import LocalSandbox
-        LocalSandbox(isolation={isolation!r})  # probes bwrap once, before the forks
-        for sleep in {sleeps!r}:
-            pid = os.fork()
-            if pid == 0:
-                sandbox = LocalSandbox(isolation={isolation!r}, workspace_root={workspace_root!r})
-                asyncio.run(sandbox.run(sleep + "; true", timeout_s=600))
-                os._exit(0)
-            time.sleep(random.uniform(0, 0.05))
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-    """)
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
-    assert [gone(sleep) for sleep in sleeps] == [[]] * len(sleeps)
+def test_no_sandbox_process_outlives_a_rollout_killed_at_any_moment_of_its_start(isolation: str,
+                                                                                 workspace_root: str) -> None:
+    """The rollout SIGKILLed at every fork and exec of the run's processes, each held there (see
+    tests/start_up_moments.py). The moment that once left a process behind: bwrap killed right after it
+    made its namespace child and before it released it (the child then waited forever on an eventfd)."""
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("start_up_moments.py")), isolation,
+                           workspace_root], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    if "error" in report:
+        pytest.skip(report["error"])
+    left = {trial["moment"]: gone(trial["sleep"]) for trial in report["trials"]}
+    try:
+        assert left == dict.fromkeys(report["moments"], [])
+        assert all(trial["reached"] for trial in report["trials"]), report["trials"]
+    finally:
+        for pid in {pid for pids in left.values() for pid in pids}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert report["moments"][-1].endswith("exec sleep"), report["moments"]  # up to the command itself
+    made = "fork bwrap" if isolation == "bwrap" else "fork python"  # bwrap's namespace child; the reaper's command
+    assert any(m.startswith("rollout.") and m.endswith(made) for m in report["moments"]), report["moments"]
+
+
+# -- the disk quota ---------------------------------------------------------------------------------------
+
+# Ways a command may write without end (the sandboxes below have disk_mb=10).
+WRITE_FOREVER = {
+    "one big file": "cat /dev/zero > big",
+    "many small files": "i=0; while true; do i=$((i+1)); head -c 100000 /dev/zero > f$i; done",
+    "appending": "while true; do head -c 100000 /dev/zero >> log; done",
+    "temporary files": 'i=0; while true; do i=$((i+1)); head -c 100000 /dev/zero > "$TMPDIR/f$i"; done',
+    "in python": "python3 -c \"import os\nwhile True: open(os.urandom(8).hex(), 'wb').write(bytes(100000))\"",
+}
+QUOTA_EXCEEDED = r"\n\[sandbox: disk quota exceeded: the sandbox held \d+\.\d MiB, more than disk_mb=10; " \
+                 r"the command was stopped. Remove files to go on\]$"
+
+
+@pytest.mark.parametrize("isolation", MODES)
+@pytest.mark.parametrize("how", WRITE_FOREVER)
+def test_a_command_that_writes_past_the_disk_quota_is_stopped_and_the_sandbox_goes_on(isolation: str,
+                                                                                       how: str) -> None:
+    """The writes never end by themselves (but for one file, which stops at the largest file the quota
+    allows): only the quota ends the command, with exit code 1 and a line saying why."""
+    async def main():
+        sandbox = LocalSandbox(isolation=isolation, disk_mb=10)
+        try:
+            over = await sandbox.run(WRITE_FOREVER[how], timeout_s=120)
+            more = await sandbox.run("echo more >> more.txt", timeout_s=30)  # grows a sandbox over its quota
+            look = await sandbox.run("ls > /dev/null && echo looked", timeout_s=30)  # writes nothing
+            clean = await sandbox.run("rm -rf ./* && echo small > small.txt && cat small.txt", timeout_s=30)
+            return over, more, look, clean
+        finally:
+            await sandbox.close()
+
+    over, more, look, clean = asyncio.run(main())
+    assert (over.exit_code, over.timed_out) == (sandboxes.QUOTA_EXIT_CODE, False), over
+    assert re.search(QUOTA_EXCEEDED, over.stderr), over.stderr
+    if how != "temporary files":  # a run's temporary folder goes with it: the sandbox is back under its quota
+        assert more.exit_code == sandboxes.QUOTA_EXIT_CODE and re.search(QUOTA_EXCEEDED, more.stderr), more
+        assert (look.stdout, look.exit_code) == ("looked\n", 0)
+    assert (clean.stdout, clean.stderr, clean.exit_code) == ("small\n", "", 0)
+
+
+def test_no_file_grows_past_the_disk_quota() -> None:
+    """The file-size limit is the smaller of file_mb and disk_mb: one file can never take the sandbox far
+    past its quota, however fast it is written."""
+    result, after = run("head -c 30000000 /dev/zero > big; wc -c < big", disk_mb=10, file_mb=64)
+    assert result.stdout == f"{10 << 20}\n" and "File size limit exceeded" in result.stderr
+    result, _ = run("head -c 30000000 /dev/zero > big; wc -c < big", disk_mb=100, file_mb=5)
+    assert result.stdout == f"{5 << 20}\n" and "disk quota" not in result.stderr
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_files_that_would_not_fit_in_the_disk_quota_are_refused(isolation: str) -> None:
+    async def main():
+        sandbox = LocalSandbox(isolation=isolation, disk_mb=10)
+        try:
+            six = bytes(6 << 20)
+            first = await sandbox.run("wc -c < a.bin", timeout_s=30, files={"a.bin": six})
+            again = await sandbox.run("wc -c < a.bin", timeout_s=30, files={"a.bin": six})  # replaces it: fits
+            with pytest.raises(ValueError, match=r"files: writing them would take the sandbox to 12\.\d MiB, more "
+                                                 r"than its disk quota disk_mb=10; raise disk_mb or write less"):
+                await sandbox.run("true", timeout_s=30, files={"b.bin": six})
+            return first, again, await sandbox.run("ls", timeout_s=30)
+        finally:
+            await sandbox.close()
+
+    first, again, listing = asyncio.run(main())
+    assert first.stdout == again.stdout == f"{6 << 20}\n"
+    assert listing.stdout == "a.bin\n"  # nothing of the refused files was written
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_each_run_has_a_fresh_temporary_folder_that_goes_with_it(isolation: str, workspace_root: str) -> None:
+    async def main():
+        sandbox = LocalSandbox(isolation=isolation, workspace_root=workspace_root)
+        try:
+            first = await sandbox.run('echo x > "$TMPDIR/x"; ls "$TMPDIR" | grep -c "^x$"; echo "$TMPDIR"',
+                                      timeout_s=30)
+            second = await sandbox.run('ls "$TMPDIR" | grep -c "^x$"', timeout_s=30)
+            return first, second
+        finally:
+            await sandbox.close()
+
+    first, second = asyncio.run(main())
+    assert first.stdout.startswith("1\n") and second.stdout == "0\n"
+    assert not os.path.exists(first.stdout.split()[-1]) or isolation == "bwrap"  # bwrap: /tmp is the run's own
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="commands run as nobody only when Miles runs as root")
+def test_a_command_cannot_kill_or_stop_its_reaper() -> None:
+    """Subprocess mode: the reaper (the command's parent) runs as root, the command as nobody."""
+    sleep = unique_sleep()
+    result, after = run(f"setsid {sleep} & kill -KILL $PPID; kill -STOP $PPID; echo tried", isolation="subprocess")
+    assert result.stdout == "tried\n" and result.stderr.count("Operation not permitted") == 2, result
+    assert after.stdout == "ok\n"
+    assert gone(sleep) == []
 
 
 def test_close_is_idempotent_and_removes_the_workspace(workspace_root: str) -> None:
@@ -281,7 +372,8 @@ def test_close_is_idempotent_and_removes_the_workspace(workspace_root: str) -> N
 
 @pytest.mark.parametrize(("args", "named"), [
     ({"isolation": "docker"}, "isolation"), ({"cpu_s": 0}, "cpu_s"), ({"memory_mb": "1G"}, "memory_mb"),
-    ({"max_procs": True}, "max_procs"), ({"output_bytes": -1}, "output_bytes"),
+    ({"max_procs": True}, "max_procs"), ({"output_bytes": -1}, "output_bytes"), ({"disk_mb": 0}, "disk_mb"),
+    ({"disk_mb": 1.5}, "disk_mb"),
     ({"workspace_root": "/no/such/dir"}, "workspace_root"),
     ({"isolation": "subprocess", "mounts": ["/app"]}, "mounts: need isolation bwrap"),
     ({"isolation": "bwrap", "mounts": ["app"]}, "mounts: expected absolute"),
@@ -326,8 +418,8 @@ def test_local_is_registered() -> None:
 
 def test_auto_falls_back_to_subprocess_with_a_warning(monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(sandboxes, "bwrap_problem", lambda: "bwrap is not installed")
-    sandboxes.resolve_isolation.cache_clear()
+    monkeypatch.setattr(processes, "bwrap_problem", lambda: "bwrap is not installed")
+    processes.resolve_isolation.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=sandboxes.__name__):
             assert LocalSandbox().isolation == "subprocess"
@@ -338,7 +430,7 @@ def test_auto_falls_back_to_subprocess_with_a_warning(monkeypatch: pytest.Monkey
         with pytest.raises(ValueError, match="isolation: 'bwrap' does not work here"):
             LocalSandbox(isolation="bwrap")
     finally:
-        sandboxes.resolve_isolation.cache_clear()
+        processes.resolve_isolation.cache_clear()
 
 
 @needs_bwrap

@@ -8,6 +8,32 @@ from typing import Any
 from miles.testing.fixtures import pytest
 
 
+# Ways a process a command starts may try to outlive it; {} is a command line no other process has.
+ESCAPES = {
+    "background": "{} >/dev/null 2>&1 &",
+    "nohup": "nohup {} >/dev/null 2>&1 &",
+    "setsid": "setsid {} &",  # its own session, and it keeps the run's output pipes open
+    # its own process group, as job control makes one
+    "process group": "python3 -c 'import os, sys; os.setpgid(0, 0); os.execvp(\"sleep\", sys.argv[1:])' {} &",
+    "double fork": "( ({} >/dev/null 2>&1 &) & )",  # an orphan
+    "daemon": "python3 daemon.py {}",  # all of it, and it ignores SIGTERM, SIGHUP and SIGINT
+}
+# The "daemon" escape: fork, new session, fork again, no inherited files, deaf to the polite signals.
+DAEMON = b"""import os, signal, sys
+for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    signal.signal(sig, signal.SIG_IGN)
+if os.fork():
+    os._exit(0)
+os.setsid()
+if os.fork():
+    os._exit(0)
+null = os.open(os.devnull, os.O_RDWR)
+for fd in (0, 1, 2):
+    os.dup2(null, fd)
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
+
+
 class SandboxConformance:
     """The contract every sandbox keeps. Subclass it in a test module of your sandbox plugin:
 
@@ -18,8 +44,9 @@ class SandboxConformance:
                 return MySandbox(...)
 
     Each check opens a fresh sandbox, runs commands in it with ``asyncio.run`` and closes it. The checks
-    that look for leftover processes look at this machine's ``/proc``, so for a remote sandbox they pass
-    trivially.
+    that look for leftover processes look at this machine's ``/proc``: for a remote sandbox
+    ``test_nothing_is_left_running_after_close`` passes trivially, and the checks of ``ESCAPES`` (processes
+    that leave their command's process group, session or parent) skip.
     """
 
     isolated: bool = True
@@ -40,6 +67,11 @@ class SandboxConformance:
                 if marker in cmdline:
                     pids.append(int(entry.name))
         return pids
+
+    @staticmethod
+    def pids_of(command: str) -> list[int]:
+        """Processes on this machine whose command line is ``command`` (not the shells that mention it)."""
+        return [pid for pid in SandboxConformance.pids_running(command) if _command_line(pid) == command]
 
     @staticmethod
     def wait_until_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
@@ -186,3 +218,65 @@ class SandboxConformance:
 
         assert self._with_sandbox(body), "a run still going when the sandbox closed did not end"
         assert self.wait_until_gone(background) == [] and self.wait_until_gone(foreground) == []
+
+    def _with_escapees(self, end: str) -> tuple[dict[str, str], bool]:
+        """A run starts one process of each of ``ESCAPES`` and holds on a FIFO; once they all run, the run is
+        let go (``end="run"``) or the sandbox closed under it (``end="close"``). The escapees' command lines,
+        and whether the held run ended."""
+        import asyncio
+
+        markers = {name: self.unique_sleep() for name in ESCAPES}
+        escapes = "\n".join(template.format(markers[name]) for name, template in ESCAPES.items())
+
+        async def body(sandbox: Any) -> bool:
+            made = await sandbox.run("mkfifo gate", timeout_s=30)
+            assert made.exit_code == 0, made.stderr
+            held = asyncio.ensure_future(sandbox.run(f"{escapes}\nread x < gate; echo released", timeout_s=120,
+                                                     files={"daemon.py": DAEMON}))
+            started = await asyncio.to_thread(self._wait_until_running, list(markers.values()), held)
+            if end == "run" or not started:
+                await sandbox.run("echo go > gate", timeout_s=60)
+            else:
+                await sandbox.close()
+            done, _ = await asyncio.wait({held}, timeout=60)  # it returns or raises, but does not hang
+            if not started:
+                pytest.skip("this sandbox's processes do not run on this machine: no leftovers to look for")
+            if end == "run" and held in done:
+                result = held.result()
+                assert (result.stdout, result.exit_code) == ("released\n", 0), result
+            return held in done
+
+        return markers, self._with_sandbox(body)
+
+    def _wait_until_running(self, markers: list[str], run: Any, timeout_s: float = 30.0) -> bool:
+        """Poll until every marker's process runs here (True), or none does by the deadline while the run
+        still holds (False: the sandbox's processes run elsewhere)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            running = [marker for marker in markers if self.pids_of(marker)]
+            if len(running) == len(markers):
+                return True
+            assert not run.done(), f"the run ended before it started every escapee: {run.result()}"
+            if time.monotonic() > deadline:
+                assert not running, f"only some escapees started: {running} of {markers}"
+                return False
+            time.sleep(0.05)
+
+    def test_processes_a_command_leaves_behind_end_with_its_run(self) -> None:
+        markers, ended = self._with_escapees(end="run")
+        assert ended, "the run did not end"
+        assert {name: self.wait_until_gone(marker) for name, marker in markers.items()} == dict.fromkeys(markers, [])
+
+    def test_processes_that_left_their_command_end_at_close(self) -> None:
+        markers, ended = self._with_escapees(end="close")
+        assert ended, "a run still going when the sandbox closed did not end"
+        assert {name: self.wait_until_gone(marker) for name, marker in markers.items()} == dict.fromkeys(markers, [])
+
+
+def _command_line(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None  # it ended meanwhile

@@ -47,8 +47,8 @@ class MilesSandboxOptions(EnvironmentOptions):
     miles_python: str | None = Field(
         default=None, description="A Python with Miles installed (default: $MILES_PYTHON, else Harbor's own).")
     sandbox: dict[str, Any] = Field(
-        default_factory=dict, description="Options of Miles' local sandbox: cpu_s, memory_mb, file_mb, max_procs, "
-                                          "output_bytes, workspace_root.")
+        default_factory=dict, description="Options of Miles' local sandbox: cpu_s, memory_mb, file_mb, disk_mb, "
+                                          "max_procs, output_bytes, workspace_root.")
     extra_mounts: list[str] = Field(
         default_factory=list, description="More writable folders for agents that install themselves elsewhere.")
     exec_timeout_sec: float = Field(

@@ -46,7 +46,9 @@ def chat_request(params: dict[str, Any]) -> dict[str, Any]:
     if refused:
         raise ResponsesError("; ".join(f"{k}: {json.dumps(params[k])} is not supported (only "
                                        f"{' or '.join(['null', *map(json.dumps, _ONLY[k])])})" for k in refused))
-    chat: dict[str, Any] = {"messages": input_to_messages(params.get("input"), params.get("instructions"))}
+    # NeMo Gym's items carry the prompt's tokens, which a Miles session leaves out of its answers unless asked
+    chat: dict[str, Any] = {"messages": input_to_messages(params.get("input"), params.get("instructions")),
+                            "return_prompt_token_ids": True}
     tools = tools_to_chat(params.get("tools"))
     if tools:
         chat["tools"] = tools

@@ -71,7 +71,8 @@ def test_the_readme_configs_validate(readme_modules):
     """``miles config`` accepts the in-process config and refuses the remote one with ``env`` added (exit 2);
     the remote config's env node passes the same checks here."""
     data = readme_modules / "train.jsonl"
-    data.write_text(json.dumps({"prompt": "Find the number.", "secret": 37}) + "\n")
+    # a prompt the default model's tokenizer encodes (the configs name no model; letters would be refused)
+    data.write_text(json.dumps({"prompt": "1+1=", "secret": 37}) + "\n")
     local, remote = (readme_modules / "local.yaml", readme_modules / "remote.yaml")
     for path, block in zip((local, remote), blocks("yaml")):
         path.write_text(block)

@@ -59,7 +59,7 @@ class Chaos:
     PRIMARY = ("step_start", "generate", "push")
     FOLLOW_UP = ("catch_up", "after_readmit")
 
-    def __init__(self, seed, episodes=6):
+    def __init__(self, seed, episodes=4):  # each primary moment once, one more at random; the follow-ups on two
         rng = random.Random(seed)
         steps = sorted(rng.sample(range(1, STEPS - 3), episodes))
         primaries = [*self.PRIMARY, *(rng.choice(self.PRIMARY) for _ in range(episodes - len(self.PRIMARY)))]
@@ -185,7 +185,7 @@ def test_engines_killed_at_random_moments_lose_nothing(tmp_path):
     assert all(r["samples/total"] == r["train/samples"] == PROMPTS * SAMPLES and r["samples/failed"] == 0 for r in rows)
     assert len(chaos.trained) == len(set(chaos.trained)) == STEPS * PROMPTS * SAMPLES  # each sample trained once
     assert {moment for _, moment, _ in chaos.kills} == {*Chaos.PRIMARY, *Chaos.FOLLOW_UP}
-    assert sum(r["rollout/engine_failures"] for r in rows) == len(chaos.kills) >= 8
+    assert sum(r["rollout/engine_failures"] for r in rows) == len(chaos.kills) >= 6
     assert [r["weight_version"] for r in rows] == list(range(1, STEPS + 1))
 
 

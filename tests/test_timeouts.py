@@ -480,8 +480,8 @@ def test_a_hung_plain_reward_in_the_async_schedule_stops_the_run_with_a_few_call
         "rollout.prompts_per_step=4", "rollout.n_samples=4", "reward.name=hang_plain", "reward.timeout_s=0.5",
         "run.schedule=async",
     ], extra_plugins=[("hung", rewards)])
-    # the stream may have finished one or two batches of groups by then: 16 or 32 samples, all failed
-    with pytest.raises(RunError, match=r"step 0: (16|32) of \1 samples failed .*reward 'hang_plain'"):
+    # however many samples the stream finished by then (its groups are admitted as it goes), all failed
+    with pytest.raises(RunError, match=r"step 0: (\d+) of \1 samples failed .*reward 'hang_plain'"):
         train(p)
     per_group = {group: rewards.calls.groups.count(group) for group in set(rewards.calls.groups)}
     assert max(per_group.values()) <= HUNG_AFTER

@@ -12,7 +12,6 @@ import json
 import random
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -22,6 +21,8 @@ from miles.engine import LocalEngine
 from miles.engine.batcher import Request
 from miles.engine.sampling import MAX_SAMPLES, MAX_TOP_K, SamplingParams
 from miles.testing import serve_in_thread
+
+from test_engine_server import wait_for
 
 PROMPTS = [[4, 13, 5, 14], [7, 13, 2, 14], [3, 13, 9, 14], [9, 13, 9, 14, 1, 3]]
 GREEDY = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
@@ -39,14 +40,6 @@ def call(base, path, body=None, *, data=None):
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
-
-
-def wait_for(condition, what, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for {what}")
-        time.sleep(0.005)
 
 
 def in_background(base, body):

@@ -99,8 +99,9 @@ class AbortingEngine:
 
 
 @asynccontextmanager
-async def serving(engine, **options):
-    """A session server on a free port, an HTTP client, and a helper opening sessions with OpenAI clients."""
+async def serving(engine, max_retries=2, **options):
+    """A session server on a free port, an HTTP client, and a helper opening sessions with OpenAI clients (which
+    retry ``max_retries`` times: the OpenAI client's default)."""
     server = SessionServer(engine, getattr(engine, "engine", engine).tokenizer, HermesParser(), **options)
     url = await server.start()
     async with aiohttp.ClientSession() as http:
@@ -110,7 +111,7 @@ async def serving(engine, **options):
             async with http.post(f"{url}/sessions", json=body) as resp:
                 assert resp.status == 201, await resp.text()
                 sid = (await resp.json())["id"]
-            clients.append(AsyncOpenAI(base_url=f"{url}/sessions/{sid}/v1", api_key="unused"))
+            clients.append(AsyncOpenAI(base_url=f"{url}/sessions/{sid}/v1", api_key="unused", max_retries=max_retries))
             return sid, clients[-1]
 
         try:

@@ -5,20 +5,18 @@ and aiohttp clients; work is held with gates (the engine paused, a tokenizing th
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
 import threading
-from contextlib import asynccontextmanager
 from pathlib import Path
 
-import aiohttp
 import openai
 import pytest
 from openai import AsyncOpenAI
 
 from miles.agentic.chat import Conversation
-from miles.agentic.tool_calls import HermesParser
 from miles.engine.local import LocalEngine
 from miles.session import SessionServer
 from miles.session.openai_api import MAX_DEPTH
@@ -28,6 +26,7 @@ from miles.testing import make_registry
 from miles.types import Sample, SampleStatus
 
 from test_session import PROMPT_IDS, TOOLS, context, miles
+from test_session import serving as served
 
 GATE_TIMEOUT_S = 60  # a gate never released fails its request instead of hanging the test
 SETTLE_TIMEOUT_S = 60  # how long the server may take to notice a disconnect before the test fails
@@ -96,28 +95,8 @@ async def wait_thread_event(event: threading.Event) -> None:
     assert await asyncio.get_running_loop().run_in_executor(None, event.wait, GATE_TIMEOUT_S), "never reached"
 
 
-@asynccontextmanager
-async def serving(engine, **options):
-    """A session server on a free port, an aiohttp client, and a helper opening sessions with OpenAI clients."""
-    server = SessionServer(engine, engine.engine.tokenizer if isinstance(engine, HeldEngine) else engine.tokenizer,
-                           HermesParser(), **options)
-    url = await server.start()
-    async with aiohttp.ClientSession() as http:
-        clients = []
-
-        async def open_session(**body):
-            async with http.post(f"{url}/sessions", json=body) as resp:
-                assert resp.status == 201, await resp.text()
-                sid = (await resp.json())["id"]
-            clients.append(AsyncOpenAI(base_url=f"{url}/sessions/{sid}/v1", api_key="unused", max_retries=0))
-            return sid, clients[-1]
-
-        try:
-            yield server, url, http, open_session
-        finally:
-            for client in clients:
-                await client.close()
-            await server.stop()
+# A session server with OpenAI clients that never retry: a retry would hide what a disconnect left behind.
+serving = functools.partial(served, max_retries=0)
 
 
 def snapshot(server: SessionServer, sid: str) -> str:

@@ -26,12 +26,13 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {"quickstart": ("configs/quickstart.yaml", 200), "retool": ("configs/retool.yaml", 30)}
 VARIANTS = {  # name: overrides
     "sync, engine in process": ["run.schedule=sync"],
-    "sync, engine process": ["run.schedule=sync", "rollout.engine.num_engines=1"],
-    "one_step_off": ["run.schedule=one_step_off", "rollout.engine.num_engines=1"],
-    "async k=1, pause": ["run.schedule=async", "rollout.engine.num_engines=1", "rollout.async.update=pause"],
-    "async k=1, in_place": ["run.schedule=async", "rollout.engine.num_engines=1", "rollout.async.update=in_place"],
-    "async k=2, in_place": ["run.schedule=async", "rollout.engine.num_engines=1", "rollout.async.update=in_place",
-                            "rollout.async.max_staleness=2"],
+    "sync, engine process": ["run.schedule=sync", "rollout.engine.separate_process=true"],
+    "one_step_off (defaults)": ["run.schedule=one_step_off"],
+    "async (defaults)": ["run.schedule=async"],
+    "async k=1, in_place": ["run.schedule=async", "rollout.async.update=in_place"],
+    "async k=2, in_place": ["run.schedule=async", "rollout.async.update=in_place", "rollout.async.max_staleness=2"],
+    "async k=2, in process": ["run.schedule=async", "rollout.async.update=in_place", "rollout.async.max_staleness=2",
+                              "rollout.engine.separate_process=false"],
 }
 
 
@@ -75,7 +76,9 @@ def run(config: str, run_dir: Path, overrides: list[str]) -> tuple[list[dict], l
     return rows, busy
 
 
-def report(name: str, rows: list[dict], busy: list[float], base: float | None) -> float:
+def report(name: str, rows: list[dict], busy: list[float], base: dict | None) -> dict:
+    """Print one variant's line; returns its figures (the first variant's are the base of the others'). The overlap
+    limit is the base's step with rollout and the rest (training, push) overlapped: max(rollout, step - rollout)."""
     steady = rows[2:]  # the first steps warm up
     samples_per_s = sum(r["samples/total"] for r in steady) / sum(r["time/step_s"] for r in steady)
     part = {k: 1000 * fmean(r[k] for r in steady) for k in ("time/step_s", "time/rollout_s", "time/train_s",
@@ -83,14 +86,22 @@ def report(name: str, rows: list[dict], busy: list[float], base: float | None) -
     stale = [r.get("async/staleness_mean", 0.0) for r in steady]
     rewards = [r["reward/mean"] if r["reward/mean"] is not None else 0.0 for r in rows]  # null: nothing rewarded
     reach = first_reach(rewards, [r["time/step_s"] for r in rows], 0.7)
-    print(f"{name:<26} {samples_per_s:>9.0f} {samples_per_s / (base or samples_per_s):>6.2f}x "
+    figures = {"samples_per_s": samples_per_s, "reach_s": reach[1] if reach else None}
+    if base is None:
+        samples_per_step = fmean(r["samples/total"] for r in steady)
+        overlapped_ms = max(part["time/rollout_s"], part["time/step_s"] - part["time/rollout_s"])
+        base = figures | {"limit": 1000 * samples_per_step / overlapped_ms}
+        figures = base
+    to_reward = (f"{reach[1]:.1f} s ({reach[1] / base['reach_s']:.2f}x)" if reach and base["reach_s"]
+                 else f"{reach[1]:.1f} s" if reach else "not reached")
+    print(f"{name:<24} {samples_per_s:>9.0f} {samples_per_s / base['samples_per_s']:>6.2f}x "
+          f"{samples_per_s / base['limit']:>6.2f} "
           f"{part['time/step_s']:>7.1f} {part['time/rollout_s']:>7.1f} {part['time/train_s']:>7.1f} "
           f"{part['time/weight_sync_s']:>6.1f} {' '.join(f'{b:4.0%}' for b in busy):>10} {fmean(stale):>6.2f} "
           f"{max(r.get('async/staleness_max', 0) for r in steady):>4} "
-          f"{sum(r.get('async/stale_dropped', 0) for r in rows):>5} "
-          f"{f'{reach[1]:.1f} s (step {reach[0]})' if reach else 'not reached':>18} "
+          f"{sum(r.get('async/stale_dropped', 0) for r in rows):>5} {to_reward:>18} "
           f"{fmean(rewards[-10:]):>6.3f}", flush=True)
-    return samples_per_s
+    return figures
 
 
 def main() -> None:
@@ -107,8 +118,11 @@ def main() -> None:
             run(config, sft, ["run.steps=0"])  # the recipe's SFT warm-up, once
             common = [f"model.path={sft / 'sft_model'}", "sft.steps=0", "run.eval_size=0", f"run.steps={steps}"]
             print(f"\n{workload}: {steps} RL steps from {config}'s SFT checkpoint; times in ms per step (mean "
-                  f"after 2 warm-up steps); busy: each core's share while the RL steps ran")
-            print(f"{'variant':<26} {'samples/s':>9} {'vs base':>7} {'step':>7} {'rollout':>7} {'train':>7} "
+                  f"after 2 warm-up steps); limit: samples/s as a share of the base's with rollout and training "
+                  f"overlapped; busy: each core's share while the RL steps ran; to reward 0.7: wall time of the "
+                  f"steps to a rolling-10 train reward of 0.7 (x the base's)")
+            print(f"{'variant':<24} {'samples/s':>9} {'vs base':>7} {'limit':>6} {'step':>7} {'rollout':>7} "
+                  f"{'train':>7} "
                   f"{'push':>6} {'busy':>10} {'stale':>6} {'max':>4} {'drop':>5} {'to reward 0.7':>18} "
                   f"{'last10':>6}")
             base = None
@@ -116,8 +130,8 @@ def main() -> None:
                 # short run dirs: Ray's sockets live under them, and a socket path has at most 107 bytes
                 rows, busy = run(config, Path(tmp) / workload[0] / str(list(VARIANTS).index(name)),
                                  common + VARIANTS[name])
-                value = report(name, rows, busy, base)
-                base = base or value
+                figures = report(name, rows, busy, base)
+                base = base or figures
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from miles import __version__, interrupts
 from miles.errors import ConfigError, MilesError, RunError, disk_problem
@@ -91,6 +92,17 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_args(text: str) -> dict[str, Any]:
+    """``--engine-args``: a JSON object of the engine's arguments."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--engine-args: expected a JSON object, got {text!r} ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"--engine-args: expected a JSON object of the engine's arguments, got {text!r}")
+    return value
+
+
 def _cmd_engine_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -102,8 +114,9 @@ def _cmd_engine_serve(args: argparse.Namespace) -> int:
     try:
         serve(args.model, host=args.host, port=args.port, seed=args.seed, admin_token=token, device=args.device,
               dtype=args.dtype, max_request_bytes=int(args.max_request_mib * 2**20),
-              max_weight_request_bytes=int(args.max_weight_request_mib * 2**20), allowed_hosts=tuple(args.allowed_host))
-    except ValueError as exc:
+              max_weight_request_bytes=int(args.max_weight_request_mib * 2**20), allowed_hosts=tuple(args.allowed_host),
+              engine_args=_engine_args(args.engine_args))
+    except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from exc
     return 0
 
@@ -286,6 +299,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="body size limit of /update_weights_from_tensor (MiB)")
     serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME[:PORT]",
                        help="another name clients reach the engine by, accepted in the Host header (repeat; '*': any)")
+    serve.add_argument("--engine-args", default="{}", metavar="JSON",
+                       help="more arguments of the engine, as rollout.engine gives them: "
+                            "'{\"max_batch_size\": 256, \"prefix_cache_tokens\": 0}'")
     serve.set_defaults(func=_cmd_engine_serve)
 
     session = sub.add_parser("session", help="the session server for external agent harnesses")

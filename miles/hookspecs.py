@@ -25,7 +25,7 @@ __all__ = ["hookspec", "Register", "takes_option", "ChecksArgs", "NeedsLabel", "
            "NeedsRefLogprobs", "ClosingRolloutFn", "BackgroundEngine", "LoraEngine", "ServerLauncher",
            "is_server_launcher", "ProtocolLauncher", "MemorySaverLauncher", "RoutedExpertsLauncher",
            "DescribedSandbox", "CheckedSandbox", "HostedSandbox", "RayBackend", "uses_ray", "ClosingTransport",
-           "DiskTransportSwitch", "SnapshotTransport", "RewindableLogger"]
+           "DiskTransportSwitch", "ReportingTransport", "SnapshotTransport", "RewindableLogger"]
 
 hookspec = pluggy.HookspecMarker("miles")
 
@@ -420,6 +420,14 @@ class DiskTransportSwitch(Protocol):
     only those (SGLang servers): ``auto``."""
 
     def use_disk(self) -> None: ...
+
+
+@runtime_checkable
+class ReportingTransport(Protocol):
+    """A transport with ``metrics()`` adds what it returns (counts since its last call) to each step's metrics:
+    ``shm`` with ``delta: true`` reports ``weight_sync/delta_posts``, ``weight_sync/full_catch_ups``, ..."""
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 @runtime_checkable

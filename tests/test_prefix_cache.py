@@ -88,6 +88,22 @@ def test_longest_prefix_shares_runs_and_leaves_a_token():
     assert cache.tokens == 0 and cache.match([1, 2, 3], 3) == (0, None)
 
 
+def test_insert_takes_only_the_kv_of_what_is_not_held():
+    """The batcher copies the K/V of a finished row's new tokens only: ``held`` says how many lead tokens are held,
+    ``insert(..., start=held)`` takes the rest; the cache then holds what a whole insert would have held."""
+    cache = PrefixCache(100)
+    cache.insert([1, 2, 3, 4], kv_of([1, 2, 3, 4]))
+    for tokens in ([1, 2, 3, 4, 5, 6], [1, 2, 7], [1, 2, 3, 4], [8, 9]):
+        held = cache.held(tokens)
+        assert held == cache.match(tokens, len(tokens))[0]
+        cache.insert(tokens, kv_of(tokens)[..., held:, :], start=held)
+        length, kv = cache.match(tokens, len(tokens))
+        assert length == len(tokens) and torch.equal(kv, kv_of(tokens))
+    assert cache.tokens == 4 + 2 + 1 + 2
+    with pytest.raises(ValueError, match="only 2 tokens are held"):
+        cache.insert([1, 2, 8], kv_of([1, 2, 8])[..., 3:, :], start=3)
+
+
 def test_least_recently_used_tails_go_first():
     cache = PrefixCache(8)
     cache.insert([1, 2, 3, 4], kv_of([1, 2, 3, 4]))

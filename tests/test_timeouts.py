@@ -25,7 +25,7 @@ from miles.rollout.data_source import Prompt
 from miles.interrupts import time_limit, with_time_limit
 from miles.rollout.generate import make_groups, run_rollouts
 from miles.rewards import math_answer
-from miles.rewards.scoring import HUNG_AFTER, score_samples
+from miles.rewards.scoring import HUNG_AFTER, score_samples, score_samples_async
 from miles.rollout.single_turn import single_turn
 from miles.run.runner import prepare, train
 from miles.testing import make_sample
@@ -263,6 +263,35 @@ def test_a_plain_reward_hung_on_every_sample_is_called_only_a_few_times(release)
     assert calls.started == HUNG_AFTER
     assert [s.reason for s in samples] == [timed_out("hang")] * HUNG_AFTER + [not_scored("hang")] * (10 - HUNG_AFTER)
     assert all(s.status is SampleStatus.FAILED and s.reward is None for s in samples)
+
+
+def test_a_limited_plain_reward_scores_every_sample_without_a_round_trip_to_the_event_loop():
+    """The reward's thread calls sample after sample on its own: here the event loop is blocked (by a task that
+    waits for the last call) while all are scored. A thread that waited for the loop to take each outcome
+    would score one sample, then never the last (the wait gives up after 60 s and the test fails)."""
+    last_called = threading.Event()
+    threads = set()
+
+    def reward(sample):
+        threads.add(threading.get_ident())
+        if sample.index == 9:
+            last_called.set()
+        return float(sample.response_text == sample.label)
+
+    samples = [make_sample(str(i), str(i % 2), index=i) for i in range(10)]
+
+    async def main():
+        async def block_the_loop():
+            await asyncio.sleep(0)
+            assert last_called.wait(60), "the reward's thread waited for the event loop between calls"
+
+        blocker = asyncio.get_running_loop().create_task(block_the_loop())
+        await score_samples_async(samples, with_time_limit(reward, 30))
+        await blocker
+
+    asyncio.run(main())
+    assert [s.reward for s in samples] == [float(str(i) == str(i % 2)) for i in range(10)]
+    assert len(threads) == 1 and threading.get_ident() not in threads
 
 
 def test_only_calls_in_a_row_past_the_limit_make_a_plain_reward_hung(release):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from statistics import fmean, quantiles
+from typing import Any
 
 from miles.types import Sample
 
@@ -14,12 +15,17 @@ TOOL_STATS = ("calls", "succeeded", "parse_errors", "schema_errors", "timeouts")
 TITO_STATS = ("mismatches", "splits", "retokenized_tokens")
 
 
-def agentic_metrics(samples: list[Sample]) -> dict[str, float]:
+def agentic_metrics(samples: list[Sample], sandboxes: Any = None) -> dict[str, float]:
     """``rollout/observation_token_frac`` always; turns, tool calls, sandbox times and token-in-token-out
-    mismatches for samples that recorded them (``metadata["tools"]`` and ``["tito"]``, filled by ``multi_turn``)."""
+    mismatches for samples that recorded them (``metadata["tools"]`` and ``["tito"]``, filled by ``multi_turn``);
+    with ``sandboxes`` a sandbox pool (``rollout.sandbox.pool``), what it did since the last step
+    (:meth:`~miles.agentic.sandboxes.pool.SandboxPool.metrics`: sandboxes reused, discarded, started, ...)."""
     total = sum(len(s.response_ids) for s in samples)
     observed = sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples)
     metrics = {"rollout/observation_token_frac": observed / total if total else 0.0}
+    pool_metrics = getattr(sandboxes, "metrics", None)
+    if callable(pool_metrics):
+        metrics.update(pool_metrics())
     agentic = [s for s in samples if "tools" in s.metadata]
     if not agentic:
         return metrics

@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 from miles.agentic.types import Action, EnvContext, StepResult, Tool, ToolResult, tool
+from miles.hookspecs import takes_option
 
 __all__ = ["ToolEnv", "execute_python_code"]
 
 
 @tool(parameters={"type": "object", "properties": {"code": {"type": "string", "description": "Python source to run"}},
                   "required": ["code"], "additionalProperties": False}, needs_sandbox=True)
-async def execute_python_code(sandbox: Any, timeout_s: float, code: str) -> ToolResult:
-    """Run Python code in a sandbox and return what it prints (stdout, then stderr)."""
-    result = await sandbox.run("python3 -I main.py", timeout_s=timeout_s, files={"main.py": code.encode()})
+async def execute_python_code(sandbox: Any, timeout_s: float, code: str, *, stateful: bool = False) -> ToolResult:
+    """Run Python code in a sandbox and return what it prints (stdout, then stderr).
+
+    Each call is a fresh ``python3``; with ``stateful`` (``tool_env``'s option) the calls of one trajectory run in
+    the sandbox's persistent interpreter (``run_python``: the builtin ``local`` sandbox), variables kept."""
+    if stateful:
+        run_python = getattr(sandbox, "run_python", None)
+        if run_python is None:
+            raise RuntimeError(f"stateful: true needs a sandbox with a persistent interpreter (run_python), such as "
+                               f"the builtin local sandbox; {type(sandbox).__name__} has none")
+        result = await run_python(code, timeout_s=timeout_s)
+    else:
+        result = await sandbox.run("python3 -I main.py", timeout_s=timeout_s, files={"main.py": code.encode()})
     if result.timed_out:
         text = f"{result.stdout}{result.stderr}error: timed out after {timeout_s:g} s"
     else:
@@ -30,15 +43,24 @@ class ToolEnv:
 
     ``tools``: names of registered tools (or import paths); ``system_prompt``: a system message to start
     with; ``tool_timeout_s``: the limit per sandboxed call; ``max_observation_chars``: longer results are
-    cut (the sandbox caps output too, but a small model's context is smaller still).
+    cut (the sandbox caps output too, but a small model's context is smaller still). ``stateful``: the tools that
+    take a ``stateful`` keyword (``execute_python_code``) keep their state across the trajectory's turns.
     """
 
     def __init__(self, ctx: EnvContext, tools: list[str] = ("execute_python_code",), system_prompt: str | None = None,
-                 tool_timeout_s: float = 10.0, max_observation_chars: int = 2000) -> None:
-        self.check_args({"tool_timeout_s": tool_timeout_s, "max_observation_chars": max_observation_chars})
+                 tool_timeout_s: float = 10.0, max_observation_chars: int = 2000, stateful: bool = False) -> None:
+        self.check_args({"tool_timeout_s": tool_timeout_s, "max_observation_chars": max_observation_chars,
+                         "stateful": stateful})
         self.ctx, self.system_prompt = ctx, system_prompt
         self.timeout_s, self.max_chars = float(tool_timeout_s), int(max_observation_chars)
         self._tools: dict[str, Tool] = {t.name: t for t in (ctx.tool(name) for name in tools)}
+        if stateful:
+            keep = {name: t for name, t in self._tools.items() if takes_option(t.fn, "stateful")}
+            if not keep:
+                raise ValueError(f"stateful: none of the tools {list(self._tools)} keeps state (takes a 'stateful' "
+                                 f"keyword, as execute_python_code does)")
+            self._tools.update({name: dataclasses.replace(t, fn=functools.partial(t.fn, stateful=True))
+                                for name, t in keep.items()})
         self.tools = [t.schema for t in self._tools.values()]
 
     @staticmethod
@@ -48,6 +70,8 @@ class ToolEnv:
             raise ValueError(f"tool_timeout_s: expected a positive number of seconds, got {args['tool_timeout_s']!r}")
         if not args.get("max_observation_chars", 1) >= 1:
             raise ValueError(f"max_observation_chars: expected an integer >= 1, got {args['max_observation_chars']!r}")
+        if not isinstance(args.get("stateful", False), bool):
+            raise ValueError(f"stateful: expected true or false, got {args['stateful']!r}")
 
     async def reset(self, sample: Any) -> Any:
         if self.system_prompt is None:

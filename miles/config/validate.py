@@ -108,6 +108,9 @@ def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[st
     timeout = extra.get("timeout_s", 0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
         problems.append(f"{where}.timeout_s: expected a number of seconds > 0, or 0 for no limit, got {timeout!r}")
+    pool = extra.get("pool", 0)
+    if isinstance(pool, bool) or not isinstance(pool, int) or pool < 0:
+        problems.append(f"{where}.pool: expected a whole number >= 0 (0: no pool), got {pool!r}")
     engines = extra.get("num_engines", 0)
     if isinstance(engines, bool) or not isinstance(engines, int) or engines < 0:
         problems.append(f"{where}.num_engines: expected a whole number >= 0 (0: in process), got {engines!r}")
@@ -128,6 +131,12 @@ def _engine_problems(registry: Registry, plain: dict[str, Any], engines: int, ex
     elif engines > 0 and not launcher and name != "local":
         problems.append(f"rollout.engine.num_engines: engines over HTTP are 'local' or a server launcher "
                         f"(e.g. 'sglang', 'miles_server'), got {name!r}")
+    separate = extra.get("separate_process", "auto")
+    if not (separate == "auto" or isinstance(separate, bool)):
+        problems.append(f"rollout.engine.separate_process: expected auto, true or false, got {separate!r}")
+    elif separate is True and (engines > 0 or name != "local"):
+        problems.append(f"rollout.engine.separate_process: true serves the builtin engine 'local' from a process "
+                        f"of its own (with num_engines 0); got engine {name!r} with num_engines {engines}")
     release = extra.get("release_memory_during_train", False)
     if not isinstance(release, bool):
         problems.append(f"rollout.engine.release_memory_during_train: expected true or false, got {release!r}")
@@ -191,6 +200,9 @@ def _true_on_policy_problems(config: DictConfig, registry: Registry) -> list[str
         takes = True  # reported with the backend node
     if not takes:
         problems.append(f"rollout.true_on_policy: backend {backend!r} has no exact_logprobs option; use torch or fsdp2")
+    if str(component_node(config.backend).get("share_prefixes", "auto")).lower() == "true":
+        problems.append("rollout.true_on_policy: the trainer computes each sequence alone, as the engine does; "
+                        "backend.share_prefixes true cannot go with it (auto does not share under it)")
     if config.model.build.arch != "qwen3" and config.model.path is None:
         problems.append(f"rollout.true_on_policy: dense models only; model.build.arch is {config.model.build.arch!r}")
     return problems

@@ -341,13 +341,17 @@ class ContinuousBatcher:
 
     def _store(self, tokens: list[int], cache: DynamicCache, row: int, mask: torch.Tensor) -> None:
         """Hold ``tokens`` in the prefix cache with their K/V: the columns of ``cache``'s ``row`` that ``mask``
-        attends."""
+        attends. Only the K/V of the tokens not held yet are copied (most often none, or an answer's few tokens)."""
+        held = self.prefix_cache.held(tokens)
+        if held >= min(len(tokens), self.prefix_cache.max_tokens):
+            return
         cols = mask.nonzero().squeeze(1)
         if len(cols) != len(tokens):  # not this row's K/V: never store it
             return
+        cols = cols[held:]
         kv = torch.stack([torch.stack([layer.keys[row][:, cols], layer.values[row][:, cols]])
                           for layer in cache.layers])
-        self.prefix_cache.insert(tokens, kv)
+        self.prefix_cache.insert(tokens, kv, start=held)
         self.stats["prefix_cache_tokens"] = self.prefix_cache.tokens
 
     @torch.inference_mode()

@@ -31,6 +31,7 @@ ADMIN_PATHS = {
     "/abort_request", "/flush_cache", "/pause_generation", "/continue_generation", "/update_weights_from_disk",
     "/update_weights_from_tensor", "/init_weights_update_group", "/update_weights_from_distributed",
     "/update_weights_from_shm", "/release_memory_occupation", "/resume_memory_occupation",
+    "/weights_checksum",  # a GET, but it reads every weight
 }
 WEIGHT_PATH = "/update_weights_from_tensor"  # the one endpoint that carries tensors, with a limit of its own
 JSON = "application/json"

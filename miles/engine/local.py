@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from miles.engine.batcher import ContinuousBatcher
 from miles.engine.request import Request
 from miles.engine.sampling import SamplingParams, shown
 from miles.models.hf import load_model, load_tokenizer
+from miles.weights.delta import DeltaRefused, raw_bytes
 from miles.weights.lora import adapter_layers, adapter_problems, is_adapter_payload, merged_weight
 
 __all__ = ["LocalEngine", "MEMORY_TAGS"]
@@ -129,6 +131,33 @@ class LocalEngine:
             self.batcher.clear_prefix_cache()  # K/V of the old weights
             self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
             self.weights_stale = False
+        return self.weight_version
+
+    def update_weight_blocks(self, blocks: list[tuple[str, int, torch.Tensor]], weight_version: int,
+                             check: Callable[[dict[str, torch.Tensor], int], None],
+                             allow_non_finite: bool = False) -> int:
+        """A delta push (:mod:`miles.weights.delta`): copy each block ``(name, first byte, bytes)`` into that
+        parameter's bytes, as a whole or not at all. ``check(parameters, version)`` runs first under the step
+        lock (no other update in between) and raises to apply nothing."""
+        if "weights" in self.released or self.weights_stale:
+            raise DeltaRefused("the engine's weights were released; it needs the whole weights")
+        current = self.model.state_dict()
+        if bad := [name for name, _, _ in blocks if name not in current]:
+            raise DeltaRefused(f"the model has no {bad[0]}")
+        if not allow_non_finite:
+            non_finite = sorted({name for name, _, values in blocks if current[name].dtype.is_floating_point
+                                 and not _finite(_typed(values, current[name].dtype))})
+            if non_finite:
+                raise ValueError(f"weight update refused, nothing was applied (the old weights keep serving): "
+                                 f"{len(non_finite)} with NaN or inf values: {_names(non_finite)} "
+                                 f"(send allow_non_finite: true to load them anyway)")
+        with self.batcher.step_lock, torch.no_grad():
+            check(current, self.weight_version)
+            for name, start, values in blocks:
+                raw_bytes(current[name])[start:start + values.numel()].copy_(values)
+            self._lora_base = {}  # the whole weights are the trainer's: the new base
+            self.batcher.clear_prefix_cache()  # K/V of the old weights
+            self.weight_version = int(weight_version)
         return self.weight_version
 
     def _update_adapters(self, current: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor],
@@ -415,6 +444,14 @@ def _weight_problems(current: dict[str, torch.Tensor], new: dict[str, torch.Tens
         f"(send allow_non_finite: true to load them anyway)" if non_finite else "",
     ]
     return [p for p in problems if p]
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes as ``dtype`` (a copy only where their address does not fit it)."""
+    try:
+        return raw.view(dtype)
+    except RuntimeError:
+        return raw.clone().view(dtype)
 
 
 def _finite(t: torch.Tensor) -> bool:

@@ -56,15 +56,32 @@ class PrefixCache:
             node = child
         return pos, (torch.cat(parts, dim=-2) if parts else None)
 
-    def insert(self, tokens: Sequence[int], kv: torch.Tensor) -> None:
-        """Hold ``tokens`` with their K/V ``kv`` ``[layers, 2, kv_heads, len(tokens), head_dim]`` (only the part not
-        held yet is copied), then evict down to the bound."""
+    def held(self, tokens: Sequence[int]) -> int:
+        """How many tokens from the start of ``tokens`` are held (what :meth:`insert` need not be given K/V for). The
+        nodes on the way count as used, as if they had been inserted again."""
+        node, pos, end, now = self._root, 0, min(len(tokens), self.max_tokens), next(self._clock)
+        while pos < end and (child := node.children.get(tokens[pos])) is not None:
+            m = _common(child.tokens, tokens, pos, end)
+            child.used = now
+            pos += m
+            if m < len(child.tokens):
+                break
+            node = child
+        return pos
+
+    def insert(self, tokens: Sequence[int], kv: torch.Tensor, start: int = 0) -> None:
+        """Hold ``tokens`` with their K/V ``kv`` ``[layers, 2, kv_heads, len(tokens) - start, head_dim]``, the K/V of
+        ``tokens[start:]`` (``start``: at most :meth:`held`; only the part not held yet is copied), then evict down
+        to the bound."""
         tokens = tuple(tokens[: self.max_tokens])
         node, pos, now = self._root, 0, next(self._clock)
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:  # a new leaf with the rest
-                node.children[tokens[pos]] = _Node(tokens[pos:], kv[..., pos:len(tokens), :].clone(), node, now)
+                if pos < start:
+                    raise ValueError(f"insert: K/V from token {start}, but only {pos} tokens are held")
+                node.children[tokens[pos]] = _Node(tokens[pos:], kv[..., pos - start:len(tokens) - start, :].clone(),
+                                                   node, now)
                 self.tokens += len(tokens) - pos
                 break
             m = _common(child.tokens, tokens, pos, len(tokens))

@@ -9,7 +9,9 @@ Endpoints: ``POST /generate`` (SGLang's request schema, one prompt or a batch), 
 (503 while the engine cannot generate), and the weight
 updates ``/update_weights_from_disk``, ``/update_weights_from_tensor``, ``/init_weights_update_group`` +
 ``/update_weights_from_distributed``, and ``/update_weights_from_shm`` (a descriptor of tensors in a file under
-/dev/shm that a trainer on this machine wrote; see :mod:`miles.weights.shm`); ``/server_info`` names
+/dev/shm that a trainer on this machine wrote; see :mod:`miles.weights.shm`; with a ``delta`` section only the
+blocks that changed: :mod:`miles.weights.delta`, as are safetensors bytes whose metadata holds ``miles_delta``),
+and ``GET /weights_checksum``; ``/server_info`` names
 the machine (``host_id``) so that a trainer knows. Every answer is strict JSON; an error is ``{"error": ...}``
 naming the field or the header, and the server keeps serving. A ``/generate`` batch is checked whole before any
 of it runs (:mod:`miles.engine.generate_input`); a client that disconnects aborts its requests. What a request
@@ -37,6 +39,10 @@ from miles.engine.http_guard import (
 from miles.engine.generate_input import generate_requests
 from miles.engine.local import EngineUnavailable, LocalEngine
 from miles.engine.sampling import shown
+from miles.weights.delta import (
+    MAX_BLOCK_BYTES, DeltaRefused, check_delta, delta_blocks, delta_section, parse_delta, payload_blocks,
+)
+from miles.weights.delta import weights_checksum as delta_checksum
 from miles.weights.shm import SHM_PATH, MappedWeightFile, host_id, parse_descriptor
 from miles.weights.wire import DTYPES, broadcast_tensors, decode_named_tensors, open_weight_group
 
@@ -250,8 +256,13 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         raw = await read_body(request)
         try:
             tensors = load_safetensors(raw)
+            section = delta_section(raw)  # a delta push: only the changed blocks (miles.weights.delta)
         except Exception as exc:
             return error_answer(400, f"body: not safetensors bytes ({type(exc).__name__}: {exc})")
+        if section is not None:
+            sizes = {name: t.numel() * t.element_size() for name, t in request.app[ENGINE].model.state_dict().items()}
+            return await _apply_delta(request, request.query, section, list(sizes),
+                                      lambda delta: payload_blocks(tensors, delta, sizes))
         return await _apply(request, lambda: tensors, request.query)
     body = await json_body(request)
     payload = body.get("serialized_named_tensors")
@@ -349,6 +360,9 @@ async def update_weights_from_shm(request: web.Request) -> web.Response:
     cache[:] = [mapped]
     if (why := mapped.rewritten(d)) is not None:
         return error_answer(409, why)
+    if "delta" in body:
+        return await _apply_delta(request, body, body["delta"], d.names, lambda delta: delta_blocks(tensors, delta),
+                                  lambda: mapped.rewritten(d))
 
     def load() -> dict[str, torch.Tensor]:
         if not d.snapshot:
@@ -363,6 +377,46 @@ async def update_weights_from_shm(request: web.Request) -> web.Response:
         # Only a writer that breaks the protocol (a push that does not wait for its posts) gets here.
         return error_answer(409, f"{why}; the weights were applied while it changed and may mix two versions")
     return answer
+
+
+async def _apply_delta(request: web.Request, options: Mapping[str, Any], section: Any, names: list[str],
+                       blocks_of: Callable[[Any], list], rewritten: Callable[[], str | None] = lambda: None
+                       ) -> web.Response:
+    """A delta push (:mod:`miles.weights.delta`): only the changed blocks (``blocks_of(delta)``) are copied, once
+    the engine's weights are found to be the delta's base; else 409 with ``full_push_needed``, nothing applied."""
+    engine = request.app[ENGINE]
+    try:
+        version, allow = _update_options(options)
+        if version is None:
+            raise ValueError("weight_version: a delta push needs the version it makes")
+        delta = parse_delta(section, names)
+        blocks = blocks_of(delta)
+        version = await asyncio.get_running_loop().run_in_executor(None, lambda: engine.update_weight_blocks(
+            blocks, version, lambda params, held: check_delta(params, held, blocks, delta), allow))
+    except DeltaRefused as exc:
+        return json_answer({"error": str(exc), "full_push_needed": True, "weight_version": engine.weight_version}, 409)
+    except ValueError as exc:
+        return error_answer(400, str(exc))
+    if (why := rewritten()) is not None:  # a writer that breaks the protocol: see update_weights_from_shm
+        return error_answer(409, f"{why}; the weights were applied while it changed and may mix two versions")
+    return json_answer({"success": True, "weight_version": version})
+
+
+async def weights_checksum(request: web.Request) -> web.Response:
+    """The checksum of the engine's weights (:func:`miles.weights.delta.weights_checksum`; ``block_bytes``: the
+    blocks', 1 MiB by default) and their version: what a delta push checks."""
+    engine, raw = request.app[ENGINE], request.query.get("block_bytes", str(1 << 20))
+    if not (raw.isascii() and raw.isdigit() and len(raw) < 12 and 64 <= int(raw) <= MAX_BLOCK_BYTES
+            and int(raw) % 64 == 0):
+        return error_answer(400, f"block_bytes: expected a multiple of 64 from 64 to {MAX_BLOCK_BYTES}, "
+                                 f"got {shown(raw)}")
+
+    def read() -> tuple[int, str]:
+        with engine.batcher.step_lock:  # no update half applied
+            return engine.weight_version, delta_checksum(engine.model.state_dict(), int(raw))
+
+    version, checksum = await asyncio.get_running_loop().run_in_executor(None, read)
+    return json_answer({"weight_version": version, "checksum": checksum, "block_bytes": int(raw)})
 
 
 # -- the application -------------------------------------------------------------------------------
@@ -396,6 +450,7 @@ def build_app(engine: LocalEngine, admin_token: str = "", *, max_request_bytes: 
     app.router.add_post("/init_weights_update_group", init_weights_update_group)
     app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     app.router.add_post(SHM_PATH, update_weights_from_shm)
+    app.router.add_get("/weights_checksum", weights_checksum)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/release_memory_occupation", release_memory_occupation)
     app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
@@ -410,7 +465,10 @@ def app_runner(app: web.Application) -> web.AppRunner:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 30000, seed: int = 0, admin_token: str = "", *,
           device: str = "cpu", dtype: str = "float32", max_request_bytes: int = MAX_REQUEST_BYTES,
-          max_weight_request_bytes: int = MAX_WEIGHT_REQUEST_BYTES, allowed_hosts: tuple[str, ...] = ()) -> None:
+          max_weight_request_bytes: int = MAX_WEIGHT_REQUEST_BYTES, allowed_hosts: tuple[str, ...] = (),
+          engine_args: dict[str, Any] | None = None) -> None:
+    """``engine_args``: more arguments of :class:`LocalEngine` (``max_batch_size``, ``prefix_cache_tokens``,
+    ``exact_logprobs`` ...), as ``rollout.engine`` gives them."""
     if host not in LOOPBACK and not admin_token:
         raise ValueError(f"--host {host}: serving beyond loopback needs an admin token "
                          f"(--admin-token or MILES_ADMIN_TOKEN)")
@@ -418,7 +476,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 30000, seed: int = 0,
     for name, value in limits:
         if value <= 0:
             raise ValueError(f"{name}: expected a size above 0, got {value / 2**20:g}")
-    engine = LocalEngine(seed=seed, background=True, device=device, dtype=dtype)
+    engine = LocalEngine(**{"seed": seed, "device": device, "dtype": dtype, **(engine_args or {}), "background": True})
     engine.load_model(model)
     if host not in LOOPBACK | {"0.0.0.0", "::", ""}:  # the name it was started with, e.g. --host node7.cluster
         allowed_hosts = (*allowed_hosts, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")

@@ -16,6 +16,7 @@ from typing import Any
 from miles import interrupts
 from miles.agentic.metrics import agentic_metrics
 from miles.errors import RunError
+from miles.hookspecs import ReportingTransport
 from miles.loop.learner import Learner
 from miles.rollout.collect import Collected, GroupCollector
 from miles.rollout.context import RolloutContext
@@ -116,7 +117,7 @@ def rollout_metrics(c: Step, collected: Collected, rollout_s: float, prefill_bef
         "time/rollout_s": rollout_s,
         "rollout/tokens_per_s": response_tokens / rollout_s if rollout_s > 0 else 0.0,
         "rollout/prefix_hit_frac": 1.0 - computed / requested if requested else 0.0,
-        **agentic_metrics(samples),
+        **agentic_metrics(samples, c.ctx.sandbox),  # with a sandbox pool's counts
     }
 
 
@@ -141,6 +142,8 @@ def finish_step(c: Step, metrics: dict[str, float], start: float) -> dict[str, f
             metrics[f"rollout/{key}"] = stats[key] - seen.get(key, 0)
             seen[key] = stats[key]
         metrics["rollout/engines_in_service"] = len(c.plane.router.healthy)
+    if isinstance(c.transport, ReportingTransport):  # e.g. delta pushes, and the engines that needed whole weights
+        metrics.update(c.transport.metrics())
     metrics["time/step_s"] = time.perf_counter() - start
     interrupts.check()  # a SIGINT/SIGTERM whose exception was swallowed stops the run here
     return metrics

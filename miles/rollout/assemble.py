@@ -4,6 +4,7 @@ chat format, tool parser, env and sandbox)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -16,9 +17,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from miles.agentic.sandboxes.pool import SandboxPool
 from miles.agentic.sandboxes.remote import RemoteSandbox
 from miles.config.validate import resolve_tool, split_node
 from miles.errors import RunError
+from miles.engine.process import cores, separate_process, start_engine_process
 from miles.hookspecs import (BackgroundEngine, CheckedSandbox, ClosingRolloutFn, DescribedSandbox,
                              DiskTransportSwitch, HostedSandbox, MemorySaverLauncher, ProtocolLauncher,
                              RoutedExpertsLauncher, is_server_launcher, takes_option)
@@ -42,9 +45,15 @@ def rollout_plane(p: Any, model_path: str, transport: Any, ray_cluster: Callable
         print(f"cluster.local_mode: every plane in this process, rollouts on the main thread, no time limits on "
               f"rollout.fn and reward{instead}", file=sys.stderr)
         num_engines = 0
+    streaming = p.config.run.schedule != "sync"
+    if num_engines == 0 and not p.config.cluster.local_mode:
+        own, why_not = separate_process(extra["separate_process"], engine=engine_args["name"], streaming=streaming)
+        if own:
+            return _engine_process_plane(p, model_path, engine_args, transport, closing)
+        if why_not:
+            print(f"run.schedule={p.config.run.schedule}: {why_not}", file=sys.stderr)
     if num_engines == 0:
         engine = p.registry.build("rollout_engine", engine_args, "rollout.engine")
-        streaming = p.config.run.schedule != "sync"
         if streaming and isinstance(engine, BackgroundEngine):  # generates in a thread of its own, beside the trainer
             engine.background = True
         engine.load_model(model_path)
@@ -79,6 +88,32 @@ def rollout_plane(p: Any, model_path: str, transport: Any, ray_cluster: Callable
     router.on_readmit = lambda endpoint: transport.catch_up(plane, endpoint)
     plane.run(router.wait_healthy(timeout_s=cluster_cfg.engine_startup_timeout_s))
     return plane
+
+
+def _engine_process_plane(p: Any, model_path: str, engine_args: dict[str, Any], transport: Any,
+                          closing: ExitStack) -> RolloutPlane:
+    """The builtin engine served from a child process (:mod:`miles.engine.process`), reached through a router."""
+    threads = p.config.run.torch_threads if p.config.run.torch_threads > 0 else max(1, cores() // 2)
+    router, server = start_engine_process(
+        model_path, engine_args, threads=threads, startup_timeout_s=p.config.cluster.engine_startup_timeout_s,
+        router_args=OmegaConf.to_container(p.config.cluster.router))
+    closing.callback(_stop_engine_process, server)
+    plane = RolloutPlane(router=router)
+    closing.callback(plane.close)
+    router.on_readmit = lambda endpoint: transport.catch_up(plane, endpoint)
+    plane.run(router.wait_healthy(timeout_s=p.config.cluster.engine_startup_timeout_s))
+    print(f"rollout.engine.separate_process: the engine serves from process {server.pid} (log: {server.log_path})",
+          file=sys.stderr)
+    return plane
+
+
+def _stop_engine_process(server: Any) -> None:
+    """Stop the engine's process; its log goes with it unless the server had died (the log then says why)."""
+    served = server.alive()
+    server.stop()
+    if served:
+        with contextlib.suppress(OSError):
+            os.unlink(server.log_path)
 
 
 def engine_launcher(p: Any, engine_args: dict[str, Any]) -> Any:
@@ -137,6 +172,15 @@ def _sandbox_factory(p: Any, plane: RolloutPlane, run_name: str, closing: ExitSt
             plane.run(sandbox_cls.preflight(**factory.keywords))
         except Exception as exc:
             raise RunError(f"rollout.sandbox ({p.config.rollout.sandbox.name}): {exc}") from exc
+    size = split_node(p.config.rollout.sandbox, "rollout.sandbox")[1]["pool"]
+    if size:  # sandboxes started ahead for the next trajectories; the idle ones close with the run
+        pool = SandboxPool(factory, size)
+        closing.callback(lambda: plane.run(pool.aclose()))
+        try:
+            plane.run(pool.fill())
+        except Exception as exc:
+            raise RunError(f"rollout.sandbox ({p.config.rollout.sandbox.name}): pool: {exc}") from exc
+        return pool
     return factory
 
 

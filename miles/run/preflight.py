@@ -33,6 +33,7 @@ from miles.rewards.labels import LabelNeed, label_need
 from miles.rollout.data_source import (Prompt, check_labels, check_unknown_tokens, encode_rows, read_rows,
                                        where_in_file)
 from miles.train.assemble import build_backend
+from miles.train.prefix_tree import config_sharing_problem, parse_share_prefixes
 
 __all__ = ["Staged", "chat_format", "eval_inputs", "preflight", "run_tokenizer"]
 
@@ -189,6 +190,24 @@ def _check_routing(config: Any, model_path: str) -> None:
             raise ConfigError(f"rollout.return_routed_experts: the model ({model.get('model_type', 'unknown type')}) "
                               f"has no mixture-of-experts layers; set it to false, or use an MoE model "
                               f"(model.build.arch: qwen3_moe)")
+
+
+def _check_share_prefixes(config: Any, model_path: str) -> None:
+    """``backend.share_prefixes: true`` needs a model whose attention takes a tree mask (the backend's own check, on the
+    loaded model, would come after run.dir is written)."""
+    try:
+        mode = parse_share_prefixes(component_node(config.backend).get("share_prefixes", "auto"))
+    except ValueError:  # refused by the backend's option check already
+        return
+    if mode != "true":
+        return
+    from transformers import AutoConfig
+
+    model = AutoConfig.from_pretrained(model_path)
+    name = (model.architectures or [model.model_type])[0]
+    if (problem := config_sharing_problem(model, name)) is not None:
+        raise ConfigError(f"backend.share_prefixes: true: {problem}; set backend.share_prefixes to auto (such a "
+                          f"model then trains unshared) or false")
 
 
 def _check_lora(p: Any, model_path: str) -> None:
@@ -395,6 +414,7 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
         train_prompts = encode_rows(read_rows(train_path, data_cfg.prompt_key, label_key), tokenizer,
                                     label_key=data_cfg.label_key, **encode)
         _check_routing(config, model_path)
+        _check_share_prefixes(config, model_path)
         check_teacher(config.distill, model_path)
         _check_lora(p, model_path)
         context, room = context_length(model_path), int(config.rollout.sampling.max_new_tokens)

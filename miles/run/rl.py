@@ -22,7 +22,7 @@ from miles.rollout.collect import GroupCollector
 from miles.rollout.data_source import PromptSource
 from miles.run.checkpoint import model_signature, save_checkpoint
 from miles.run.progress import progress
-from miles.run.state import RunState, rewind_loggers
+from miles.run.state import RunState, freeze_heap, rewind_loggers
 from miles.train.assemble import rl_backend
 from miles.train.torch_backend import rng_state, set_rng_state
 
@@ -42,8 +42,10 @@ class RLPhase:
         if isinstance(self.transport, ClosingTransport):  # e.g. shm's file under /dev/shm
             run.closing.callback(self.transport.close)
         self.plane = plane = rollout_plane(p, model_path, self.transport, run.ray_cluster, run.closing)
+        # engines as Ray actors (not the one engine a child process serves: rollout.engine.separate_process)
+        on_ray = plane.remote and split_node(config.rollout.engine, "rollout.engine")[1]["num_engines"] > 0
         self.backend = None if run_cfg.rollout_only else rl_backend(p, run.ray_cluster, run.closing, model_path,
-                                                                    run.seed, remote=plane.remote)
+                                                                    run.seed, remote=on_ray)
         self.ctx = rollout_context(p, plane, run.tokenizer, model_path, run.chat_format, run.seed, run.run_dir.name,
                                    run.closing, return_routed_experts=config.rollout.return_routed_experts)
         writer = RolloutWriter(run.run_dir, model_path, run.pad_token_id) if run_cfg.save_rollouts else None
@@ -138,6 +140,7 @@ class RLPhase:
         self.schedule = make_schedule(run_cfg.schedule, self.c, stream_settings(config),
                                       version=self.plane.weight_version)
         run.closing.callback(self.schedule.close)  # before the envs, sandboxes and engines it uses are closed
+        freeze_heap()
         with progress(run_cfg.steps, config.advantage.name, run_cfg.progress) as bar:
             bar.update(self.first_step)
             for step in range(self.first_step, run_cfg.steps):

@@ -41,7 +41,7 @@ def setup_backend(p: Any, backend: Any, model_path: str, seed: int) -> None:
 
 def rl_backend(p: Any, ray_cluster: Callable[[], Any], closing: Any, model_path: str, seed: int,
                remote: bool) -> Any:
-    """The policy's backend for RL, set up from ``model_path``; with engines over HTTP (``remote``) and the sync
+    """The policy's backend for RL, set up from ``model_path``; with engines on Ray (``remote``) and the sync
     schedule, a backend that does not use Ray itself trains in an actor. ``closing`` shuts it down."""
     config = p.config
     overrides = {"exact_logprobs": True} if config.rollout.true_on_policy else {}  # as the engine computes them

@@ -3,19 +3,21 @@
 The whole path takes the model's ``[B, L, V]`` logits in float32 and builds log-probs and entropy from
 them: several ``[tokens x vocab]`` float32 tensors live at once, forward and backward. The chunked path
 (``chunk_tokens > 0``) never makes them: it hands the output layer's input (the final hidden states) to
-:class:`_ChunkedLogprobs`, which computes ``chunk_tokens`` rows of logits at a time with a log-prob
+:class:`ChunkedLogprobs`, which computes ``chunk_tokens`` rows of logits at a time with a log-prob
 kernel (:mod:`miles.train.kernels`) and recomputes them in the backward pass.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from miles.train.kernels import LogprobKernel, TorchKernel, select_kernel
 
-__all__ = ["token_logprobs"]
+__all__ = ["token_logprobs", "ChunkedLogprobs", "matmul_dtype", "output_layer", "patched_head"]
 
 # Config fields of HF models whose forward changes the output layer's result (soft-capping, scaling):
 # the chunked path computes log-probs from the output layer alone, so it refuses them.
@@ -56,6 +58,30 @@ def _chunked(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool
         kernel = TorchKernel()
     elif isinstance(kernel, str):
         kernel = select_kernel(kernel, input_ids.device)
+    head = output_layer(model)
+    targets = input_ids[:, 1:]
+
+    def head_forward(hidden: torch.Tensor) -> torch.Tensor:
+        # Called inside the model's forward, so that a sharded (FSDP2) root has gathered the head's weight and
+        # hooks the result for its backward. Returns [B, L-1, 2]: log-probs and entropy, as the "logits".
+        rows, width = targets.shape
+        states = hidden[:, :-1].reshape(rows * width, hidden.shape[-1])
+        logprobs, entropy = ChunkedLogprobs.apply(states, head.weight, head.bias, targets.reshape(-1), chunk_tokens,
+                                                   kernel, entropy_grad, matmul_dtype(states, head.weight))
+        return torch.stack([logprobs, entropy], dim=-1).view(rows, width, 2)
+
+    with patched_head(head, head_forward):
+        packed = model(input_ids=input_ids).logits
+    logprobs = packed[..., 0].contiguous()
+    if not with_entropy:
+        return logprobs
+    entropy = packed[..., 1].contiguous()
+    return logprobs, entropy if entropy_grad and torch.is_grad_enabled() else entropy.detach()
+
+
+
+def output_layer(model: torch.nn.Module) -> torch.nn.Linear:
+    """The output layer the chunked path computes with: an ``nn.Linear`` whose result the model returns unchanged."""
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(f"logprob_chunk_tokens needs a model whose output layer is an nn.Linear; "
@@ -65,34 +91,24 @@ def _chunked(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool
     if transforms:
         raise ValueError(f"logprob_chunk_tokens: {type(model).__name__} transforms its logits after the output "
                          f"layer ({', '.join(transforms)}); use logprob_chunk_tokens=0 for this model")
-    targets = input_ids[:, 1:]
+    return head
 
-    def head_forward(hidden: torch.Tensor) -> torch.Tensor:
-        # Called inside the model's forward, so that a sharded (FSDP2) root has gathered the head's weight and
-        # hooks the result for its backward. Returns [B, L-1, 2]: log-probs and entropy, as the "logits".
-        rows, width = targets.shape
-        states = hidden[:, :-1].reshape(rows * width, hidden.shape[-1])
-        logprobs, entropy = _ChunkedLogprobs.apply(states, head.weight, head.bias, targets.reshape(-1), chunk_tokens,
-                                                   kernel, entropy_grad, _matmul_dtype(states, head.weight))
-        return torch.stack([logprobs, entropy], dim=-1).view(rows, width, 2)
 
+@contextlib.contextmanager
+def patched_head(head: torch.nn.Module, forward: Any) -> Iterator[None]:
+    """``head.forward`` replaced by ``forward`` within the block (called inside the model's own forward)."""
     patched = head.__dict__.get("forward")
-    head.forward = head_forward
+    head.forward = forward
     try:
-        packed = model(input_ids=input_ids).logits
+        yield
     finally:
         if patched is None:
             del head.forward
         else:
             head.forward = patched
-    logprobs = packed[..., 0].contiguous()
-    if not with_entropy:
-        return logprobs
-    entropy = packed[..., 1].contiguous()
-    return logprobs, entropy if entropy_grad and torch.is_grad_enabled() else entropy.detach()
 
 
-def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype of the logits matmul: autocast's when it is on (as the model's own output layer would run,
     so both paths see the same logits), else the inputs'. Kernels always get the logits in float32."""
     device_type = hidden.device.type
@@ -110,7 +126,7 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return torch.nn.functional.linear(hidden.to(dtype), weight, bias).float().contiguous()
 
 
-class _ChunkedLogprobs(torch.autograd.Function):
+class ChunkedLogprobs(torch.autograd.Function):
     """``hidden [N, H]``, ``weight [V, H]``, ``bias [V] | None``, ``targets [N]`` -> log-probs and entropy ``[N]``
     (float32), ``chunk_tokens`` rows of logits at a time. Saves the inputs and the per-token log-sum-exp and
     entropy; the backward pass recomputes each chunk's logits, has the kernel turn them into the gradient of

@@ -11,11 +11,12 @@ import dataclasses
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from miles.train.lora import parse_lora, require_peft
+from miles.train.prefix_tree import parse_share_prefixes
 
 __all__ = ["TrainOptions", "takes_train_options", "resolve_device", "autocast_dtype"]
 
@@ -62,6 +63,10 @@ class TrainOptions:
     # Log-probs one sequence at a time at the context length (miles.models.hf.exact_logprobs), as an engine with
     # exact_logprobs computes them: bit-identical to the rollout's (rollout.true_on_policy sets it; dense models)
     exact_logprobs: bool = False
+    # Prefix-shared ("tree") training: rows of a micro-batch that share a prefix run it once, forward and backward
+    # (auto: when that saves enough and the model takes a tree mask; true: always, refused for a model that cannot;
+    # false: never). miles.train.prefix_tree; docs/backends.md
+    share_prefixes: Union[str, bool] = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -97,6 +102,13 @@ class TrainOptions:
             problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"device must be auto, cpu or cuda, got {self.device!r}")
+        try:
+            object.__setattr__(self, "share_prefixes", parse_share_prefixes(self.share_prefixes))
+        except ValueError as exc:
+            problems.append(str(exc))
+        if self.exact_logprobs and self.share_prefixes == "true":
+            problems.append("exact_logprobs (rollout.true_on_policy) computes each row alone, bit-identical to the "
+                            "engine: it cannot go with share_prefixes true (auto does not share under it)")
         try:
             object.__setattr__(self, "lora", parse_lora(self.lora))
         except ValueError as exc:

@@ -20,6 +20,7 @@ from miles.train import lora
 from miles.train.kernels import check_kernel_name, select_kernel
 from miles.train.logprobs import token_logprobs
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
+from miles.train.prefix_tree import PrefixSharing
 from miles.models.moe import moe_layout, routing
 from miles.train.regularizers import kl_estimate
 from miles.types import LossInputs, TrainBatch
@@ -69,6 +70,10 @@ class Policy:
         self.autocast = autocast_dtype(options, device)
         # The chunked log-prob path's kernel, chosen in this process (a worker's plugins, its device).
         self.logprob_kernel = select_kernel(options.logprob_kernel, device) if options.logprob_chunk_tokens else None
+        # backend.share_prefixes: a model that cannot take a tree mask is refused here under `true`
+        self.sharing = PrefixSharing(options.share_prefixes, [m for m in (model, ref_model, critic) if m is not None],
+                                     exact_logprobs=options.exact_logprobs, routing_replay=options.routing_replay,
+                                     pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
         # only what trains (with LoRA: the adapters) has optimizer state
         self.optimizer = optimizer or torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=options.lr, betas=(options.beta1, options.beta2),
@@ -82,9 +87,11 @@ class Policy:
     def _forward(self, model: torch.nn.Module, micro: TrainBatch, **kwargs: Any):
         if self.options.exact_logprobs:
             return self._exact_forward(model, micro, kwargs.get("with_entropy", False))
+        tree = self.sharing.pack(micro)
         with self._autocast():
-            return token_logprobs(model, micro.input_ids.to(self.device),
-                                  chunk_tokens=self.options.logprob_chunk_tokens, kernel=self.logprob_kernel, **kwargs)
+            logprobs = token_logprobs if tree is None else tree.logprobs
+            return logprobs(model, micro.input_ids.to(self.device), chunk_tokens=self.options.logprob_chunk_tokens,
+                            kernel=self.logprob_kernel, **kwargs)
 
     def _exact_forward(self, model: torch.nn.Module, micro: TrainBatch, with_entropy: bool):
         """``[B, L-1]`` log-probs (and entropy), each row by :func:`miles.models.hf.exact_logprobs` (bit-identical to an
@@ -111,8 +118,10 @@ class Policy:
             return contextlib.nullcontext()
         if model is not self.model and self._ref_moe is None:
             self._ref_moe = moe_layout(model)
-        return routing(model, replay=self._replay(micro), record=record, keep_logits=record,
-                       layout=self.moe if model is self.model else self._ref_moe)
+        block = routing(model, replay=self._replay(micro), record=record, keep_logits=record,
+                        layout=self.moe if model is self.model else self._ref_moe)
+        tree = self.sharing.pack(micro)  # a tree's record is turned back into rows when the block ends
+        return block if tree is None else tree.rows_of(block)
 
     def _replay(self, micro: TrainBatch) -> torch.Tensor | None:
         if not self.options.routing_replay:
@@ -120,7 +129,8 @@ class Policy:
         if micro.routed_experts is None:
             raise ValueError("routing_replay: the samples hold no routed_experts; set rollout.return_routed_experts: "
                              "true (and use a rollout function that records them, as single_turn and multi_turn do)")
-        return micro.routed_experts.to(self.device)
+        tree = self.sharing.pack(micro)
+        return (micro.routed_experts if tree is None else tree.routed_experts).to(self.device)
 
     def _routed_forward(self, model: torch.nn.Module, micro: TrainBatch, **kwargs: Any):
         """``_forward`` within ``_routing`` (no record): log-probs of the policy or the reference model."""
@@ -156,7 +166,10 @@ class Policy:
 
     def _values(self, micro: TrainBatch) -> torch.Tensor:
         """``[b, L-1]``: column ``t`` is the value of the state that predicts token ``t + 1``."""
+        tree = self.sharing.pack(micro)
         with self._autocast():
+            if tree is not None:
+                return tree.values(self.critic, self.device)
             return self.critic(input_ids=micro.input_ids.to(self.device)).logits[:, :-1, 0].float()
 
     @torch.no_grad()

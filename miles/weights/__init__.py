@@ -2,5 +2,6 @@
 
 :mod:`miles.weights.wire`: safetensors bytes for ``/update_weights_from_tensor`` and a broadcast group
 for ``/update_weights_from_distributed``; :mod:`miles.weights.shm`: the shared-memory weight file of the
-``shm`` transport. Neither imports the engine or the trainer.
+``shm`` transport; :mod:`miles.weights.delta`: the delta pushes' blocks and checksums. None imports the engine or
+the trainer.
 """

@@ -36,6 +36,16 @@ mode's only. The kernel counts it per user and exempts root; bwrap run as nobody
 sandbox's own user namespace, where it counts that run's processes only. In subprocess mode it would
 count every process of the user (all concurrent runs, or all of a normal user's processes), so it is not
 set there.
+
+The persistent interpreter (:mod:`.interpreter`): ``run_python`` runs Python code in one Python process that
+lives in the sandbox between calls, in globals it keeps, as hosted code interpreters do; it starts on the first
+call. With ``warm: true`` it starts when the sandbox does (:meth:`LocalSandbox.start`, what a pool does ahead of
+time) and shell commands run in it too: one bwrap (or reaper) for the sandbox's life, not one per command. Its
+calls run one at a time, with the same isolation and limits (``cpu_s`` of CPU per call), and share the sandbox's
+``/tmp``; a Python call waits for the one before, a shell command that comes meanwhile runs as without ``warm``.
+Every process a call starts ends with the call. A call that times out, or whose interpreter dies (killed,
+``os._exit``, out of CPU time, over the disk quota), replaces it with a fresh one and ends its stderr with
+RESTART_MARKER: the variables are gone, the files stay.
 """
 
 from __future__ import annotations
@@ -51,8 +61,10 @@ import time
 from pathlib import PurePosixPath
 
 from miles.agentic.sandboxes import processes, storage
+from miles.agentic.sandboxes.interpreter import (CHANNEL_FD, RESTART_MARKER, WATCH_LIFELINE, Interpreter, ResetError,
+                                                 WarmCall, server_source)
 from miles.agentic.sandboxes.processes import ISOLATIONS, NOBODY, bwrap_problem, describe_isolation, resolve_isolation
-from miles.agentic.types import CUT_MARKER, ExecResult
+from miles.agentic.types import ExecResult
 
 __all__ = ["ISOLATIONS", "QUOTA_MARKER", "LocalSandbox", "bwrap_problem", "describe_isolation"]
 
@@ -80,17 +92,20 @@ class LocalSandbox:
     tasks that expect their files at fixed paths (``/app``, ``/tests``): mount ``/app`` is the workspace's
     ``app`` folder, and ``files`` may name paths inside a mount. Their top-level folder must not exist on
     this machine (the sandbox's root is then this machine's top-level folders, read-only, beside them).
-    ``cwd`` is where commands start (a mount or a folder in one; default: the workspace).
+    ``cwd`` is where commands start (a mount or a folder in one; default: the workspace). ``warm``: start the
+    persistent interpreter with the sandbox and run shell commands in it (see the module docstring).
     """
 
     def __init__(self, *, isolation: str = "auto", cpu_s: int = 10, memory_mb: int = 1024, file_mb: int = 64,
                  max_procs: int = 64, output_bytes: int = 65536, disk_mb: int = 1024,
                  workspace_root: str | None = None, mounts: list[str] | tuple[str, ...] = (),
-                 cwd: str | None = None) -> None:
+                 cwd: str | None = None, warm: bool = False) -> None:
         for name, value in (("cpu_s", cpu_s), ("memory_mb", memory_mb), ("file_mb", file_mb),
                             ("max_procs", max_procs), ("output_bytes", output_bytes), ("disk_mb", disk_mb)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if not isinstance(warm, bool):
+            raise ValueError(f"warm: expected true or false, got {warm!r}")
         if workspace_root is not None and not os.path.isdir(workspace_root):
             raise ValueError(f"workspace_root: expected an existing directory, got {workspace_root!r}")
         self.isolation = resolve_isolation(isolation)
@@ -102,13 +117,18 @@ class LocalSandbox:
         self.max_procs = max_procs
         self.disk_mb = disk_mb
         self.workspace_root = workspace_root
+        self.warm, self._cpu_s = warm, cpu_s
+        self._interpreter: Interpreter | None = None  # the persistent interpreter, once started
+        self._first: Interpreter | None = None  # the one start() started in a new sandbox: reset() puts that back
+        self.spoiled: str | None = None  # why the sandbox may not be reused: a call hit a limit (see reset())
+        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None  # its calls' queue, per loop
         largest_file = min(file_mb, disk_mb) << 20  # no single file may take more than the whole quota
         self._rlimits = [(resource.RLIMIT_CPU, cpu_s, cpu_s + 1),  # soft: SIGXCPU, hard: SIGKILL
                          (resource.RLIMIT_AS, memory_mb << 20, memory_mb << 20),
                          (resource.RLIMIT_FSIZE, largest_file, largest_file)]
         self._root: str | None = None  # the sandbox's directory: workspace and run folders; made on the first run
         self._disk_used = 0  # what the quota counted in it when last measured, and the files written since
-        self._runs: set[_Run] = set()
+        self._runs: set[processes.Run] = set()
         self._runs_started = 0
         self._disk_watch: asyncio.Task | None = None
         self._closed = False
@@ -124,8 +144,42 @@ class LocalSandbox:
         a bad argument raises ValueError as the constructor does)."""
         return describe_isolation(cls(**config).isolation)  # type: ignore[arg-type]
 
+    async def start(self) -> None:
+        """Make the workspace and, with ``warm``, start the persistent interpreter (a pool calls it ahead of use)."""
+        if self._closed:
+            raise RuntimeError("this sandbox is closed")
+        new = self._root is None
+        self._ensure_workspace()
+        if self.warm:
+            async with self._call_lock():
+                interpreter = await self._ensure_interpreter()
+                self._first = interpreter if new else None
+
+    @property
+    def reusable(self) -> bool:
+        """Whether :meth:`reset` can put it back (a pool reuses it): warm, in bwrap isolation."""
+        return self.warm and self.isolation == "bwrap"
+
+    async def reset(self) -> None:
+        """Put the sandbox back as :meth:`start` left it, for another trajectory (what a pool does when one ends):
+        every process but the interpreter's zygote killed, the workspace, ``/tmp`` and bwrap's ``/dev`` as they
+        were, a new interpreter session (:meth:`.Interpreter.reset`). ResetError when that cannot be done or
+        verified, or the sandbox hit a limit since (``spoiled``): it must then be closed, not reused."""
+        why = ("it is closed" if self._closed else "it is not warm" if not self.warm else
+               "it was not started by start()" if self._first is None else
+               "its interpreter was replaced" if self._interpreter is not self._first else
+               f"a call hit a limit: {self.spoiled}" if self.spoiled else
+               "a command runs beside the interpreter" if self._runs else None)
+        if why is not None:
+            raise ResetError(why)
+        async with self._call_lock():
+            await self._first.reset()
+            self._disk_used = await asyncio.to_thread(storage.disk_use, self._root)
+
     async def run(self, command: str, *, timeout_s: float, files: dict[str, bytes] | None = None) -> ExecResult:
         """Write ``files`` (paths relative to the workspace) and run ``command`` with ``/bin/sh -c``."""
+        if self.warm and not self._closed and not self._call_lock().locked():  # busy: a run of its own, as cold
+            return await self._warm_call({"shell": command}, timeout_s, files)
         if self._closed:
             raise RuntimeError("this sandbox is closed")
         if not timeout_s > 0:
@@ -142,6 +196,10 @@ class LocalSandbox:
             self._runs.discard(run)
             await self._end_disk(run)
             run.done.set()
+
+    async def run_python(self, code: str, *, timeout_s: float, files: dict[str, bytes] | None = None) -> ExecResult:
+        """Write ``files`` and run ``code`` in the persistent interpreter, whose globals persist between calls."""
+        return await self._warm_call({"python": code}, timeout_s, files)
 
     async def read_file(self, path: str) -> bytes:
         """The file at ``path`` (relative to the workspace, or inside a mount), without following symlinks."""
@@ -161,6 +219,9 @@ class LocalSandbox:
         if watch is not None and watch.get_loop() is asyncio.get_running_loop():
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
+        interpreter, self._interpreter = self._interpreter, None
+        if interpreter is not None:
+            await interpreter.stop()
         root, self._root = self._root, None
         if root is not None:
             await asyncio.to_thread(storage.remove_tree, root)
@@ -187,7 +248,7 @@ class LocalSandbox:
             self._root, self._disk_used = root, storage.disk_use(root)
         return os.path.join(self._root, "work")
 
-    def _new_run(self) -> _Run:
+    def _new_run(self) -> processes.Run:
         """A run's state and its private temporary folder (``/tmp`` in bwrap mode), registered; the disk
         watch runs while any run does."""
         assert self._root is not None
@@ -199,12 +260,102 @@ class LocalSandbox:
             # bwrap would make the workspace's mount point in the run's /tmp: made now, it is in the baseline
             storage.write_below(tmp, workspace.relative_to("/tmp").parts, None, self._owner)
         self._disk_used += storage.BLOCK + storage.disk_use(tmp)  # a few folders: the baseline holds them
-        run = _Run(tmp, baseline=self._disk_used, bwrap=self.isolation == "bwrap")
+        run = processes.Run(tmp, baseline=self._disk_used, bwrap=self.isolation == "bwrap")
+        self._watch(run)
+        return run
+
+    def _watch(self, run: processes.Run | WarmCall) -> None:
+        """Register a run; the disk watch runs while any run does."""
         self._runs.add(run)
         watch = self._disk_watch
         if watch is None or watch.done() or watch.get_loop() is not asyncio.get_running_loop():
             self._disk_watch = asyncio.ensure_future(self._watch_disk())
-        return run
+
+    def _call_lock(self) -> asyncio.Lock:
+        """The interpreter's calls' queue (a lock belongs to one event loop: Miles may run each step on its own)."""
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock[0] is not loop:
+            self._lock = (loop, asyncio.Lock())
+        return self._lock[1]
+
+    async def _warm_call(self, request: dict, timeout_s: float, files: dict[str, bytes] | None) -> ExecResult:
+        """One call of the persistent interpreter, after those queued before it; the disk quota holds as for a run."""
+        if self._closed:
+            raise RuntimeError("this sandbox is closed")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        workspace = self._ensure_workspace()
+        self._put_files(workspace, {self._relative(path): data.encode() if isinstance(data, str) else data
+                                    for path, data in (files or {}).items()})
+        async with self._call_lock():
+            started = time.monotonic()
+            interpreter = await self._ensure_interpreter()
+            call = WarmCall(interpreter, baseline=self._disk_used)
+            self._watch(call)
+            try:
+                outcome = await interpreter.call(request, timeout_s, self.output_bytes)
+                if self._root is not None:
+                    used = self._disk_used = await asyncio.to_thread(storage.disk_use, self._root)
+                    if used > max(self._disk_bytes, call.baseline) and call.over_quota is None:
+                        call.over_quota = used
+            finally:
+                self._runs.discard(call)
+                call.done.set()
+            exit_code, stderr, ended = outcome.exit_code, outcome.stderr, outcome.ended
+            if call.over_quota is not None:
+                exit_code = None if outcome.timed_out else QUOTA_EXIT_CODE
+                stderr += QUOTA_MARKER.format(used=storage.size_text(call.over_quota), limit=self.disk_mb)
+                if call.stopped:
+                    ended = "the call took the sandbox over its disk quota"
+            if ended is not None or call.over_quota is not None:
+                self.spoiled = self.spoiled or ended or "the disk quota"
+            if ended is not None and not self._closed:
+                stderr += RESTART_MARKER.format(reason=ended)
+                try:
+                    await self._ensure_interpreter()  # the next call finds it ready
+                except Exception as exc:  # noqa: BLE001 - the next call tries again and raises
+                    log.warning("the sandbox's interpreter did not restart: %s", exc)
+            return ExecResult(outcome.stdout, stderr, exit_code, outcome.timed_out, time.monotonic() - started)
+
+    async def _ensure_interpreter(self) -> Interpreter:
+        """The persistent interpreter, started when there is none or it ended."""
+        if self._interpreter is None or not self._interpreter.alive:
+            self._interpreter = None
+            interpreter = self._new_interpreter()
+            await interpreter.start()
+            if self._closed:  # close() came while it started
+                await interpreter.stop()
+                raise RuntimeError("this sandbox is closed")
+            self._interpreter = interpreter
+        return self._interpreter
+
+    def _new_interpreter(self) -> Interpreter:
+        """The persistent interpreter as :meth:`_spawn` starts a command, with the sandbox's ``tmp`` folder as its
+        ``/tmp``, no CPU limit of its own (it gives each call ``cpu_s`` more) and the channel it is fed on."""
+        assert self._root is not None
+        workspace, tmp = os.path.join(self._root, "work"), os.path.join(self._root, "tmp")
+        if not os.path.isdir(tmp):
+            storage.make_folder(tmp, self._owner)
+            if self.isolation == "bwrap" and PurePosixPath("/tmp") in PurePosixPath(workspace).parents:
+                storage.write_below(tmp, PurePosixPath(workspace).relative_to("/tmp").parts, None, self._owner)
+        limits = [limit for limit in self._rlimits if limit[0] != resource.RLIMIT_CPU]
+        server = ["-I", "-c", server_source(), str(CHANNEL_FD), self.isolation, str(self._cpu_s), workspace]
+        if self.isolation == "bwrap":
+            bwrap = processes.bwrap_argv(workspace, tmp, self.max_procs, self.mounts, self.cwd)
+            argv = ["/bin/sh", "-c", WATCH_LIFELINE, "sh", *bwrap, "python3", *server]
+            setup = processes.child_setup(os.getpid(), limits, signal.SIGKILL)
+            options = processes.spawn_options(workspace, setup, tmp="/tmp", as_nobody=True)
+        else:
+            uid, gid = self._owner or (-1, -1)
+            text = ",".join(f"{limit}:{soft}:{hard}" for limit, soft, hard in limits)
+            argv = [sys.executable or "python3", "-I", "-S", REAPER, str(os.getpid()), str(uid), str(gid), text,
+                    "/bin/sh", "-c", 'exec python3 "$@"', "python3", *server]  # python3 as a command finds it
+            setup = processes.child_setup(os.getpid(), [], signal.SIGTERM, subreaper=True)
+            options = processes.spawn_options(workspace, setup, tmp=tmp, as_nobody=False)
+        for stream in ("stdin", "stdout", "stderr"):
+            options.pop(stream)
+        return Interpreter(argv, options, bwrap=self.isolation == "bwrap",
+                           log_path=os.path.join(self._root, "interpreter.log"))
 
     def _put_files(self, workspace: str, files: dict[str, bytes]) -> None:
         """Write ``files`` in the workspace, refusing them all when they would not fit in the quota. The disk
@@ -220,7 +371,7 @@ class LocalSandbox:
             storage.write_file(workspace, path, data, self._owner)
         self._disk_used += grown
 
-    async def _execute(self, run: _Run, command: str, timeout_s: float) -> ExecResult:
+    async def _execute(self, run: processes.Run, command: str, timeout_s: float) -> ExecResult:
         """Start the run's processes, wait for the command (at most ``timeout_s``), then end them all."""
         started = time.monotonic()
         transport, output = await self._spawn(run, command)
@@ -247,9 +398,11 @@ class LocalSandbox:
         if run.over_quota is not None:
             exit_code = None if timed_out else QUOTA_EXIT_CODE
             stderr += QUOTA_MARKER.format(used=storage.size_text(run.over_quota), limit=self.disk_mb)
+        if timed_out or run.over_quota is not None:
+            self.spoiled = self.spoiled or ("a command timed out" if timed_out else "the disk quota")
         return ExecResult(output.stdout.text(), stderr, exit_code, timed_out, time.monotonic() - started)
 
-    async def _spawn(self, run: _Run, command: str) -> tuple[asyncio.SubprocessTransport, _Output]:
+    async def _spawn(self, run: processes.Run, command: str) -> tuple[asyncio.SubprocessTransport, processes.Output]:
         """Start ``command``: in bwrap mode behind the lifeline watcher, in subprocess mode under the reaper."""
         workspace = os.path.join(self._root, "work")  # type: ignore[arg-type]
         if self.isolation == "bwrap":
@@ -267,7 +420,7 @@ class LocalSandbox:
             options = processes.spawn_options(workspace, setup, run.lifeline_in, tmp=run.tmp, as_nobody=False)
         try:
             transport, output = await asyncio.get_running_loop().subprocess_exec(
-                lambda: _Output(self.output_bytes), *argv, **options)
+                lambda: processes.Output(self.output_bytes), *argv, **options)
         finally:
             run.close_lifeline_in()
         run.transport = transport
@@ -290,7 +443,7 @@ class LocalSandbox:
                 run.over_quota = used
                 run.stop()
 
-    async def _end_disk(self, run: _Run) -> None:
+    async def _end_disk(self, run: processes.Run) -> None:
         """Once a run's processes are gone: measure the sandbox with the run's temporary folder (what it wrote
         there counts too), whether the run took it over the quota, then remove the folder (once)."""
         if self._root is None or run.tmp is None:
@@ -316,70 +469,3 @@ class LocalSandbox:
                                  f"{list(self.mounts)}, got {path!r}")
             return inside
         return path
-
-
-class _Run:
-    """One command of a sandbox: its private temporary folder, its lifeline (closing our end tells the
-    watcher or reaper to kill everything of the run), its processes, and its disk baseline."""
-
-    def __init__(self, tmp: str, *, baseline: int, bwrap: bool) -> None:
-        self.tmp: str | None = tmp  # None once removed
-        self.baseline, self.bwrap = baseline, bwrap  # baseline: the sandbox's disk use when the run started
-        self.lifeline_in, self._lifeline = os.pipe()
-        self.transport: asyncio.SubprocessTransport | None = None
-        self.over_quota: int | None = None  # the disk use that stopped it
-        self.done = asyncio.Event()
-        self._killed = False
-
-    def close_lifeline_in(self) -> None:
-        """Close our copy of the lifeline's read end (the started process holds its own)."""
-        if self.lifeline_in >= 0:
-            os.close(self.lifeline_in)
-            self.lifeline_in = -1
-
-    def stop(self) -> None:
-        """End the run: close the lifeline; in bwrap mode also SIGKILL the process group at once (it holds
-        bwrap and the sandbox's init, whose death ends everything in its pid namespace). The subprocess-mode
-        reaper is never SIGKILLed: it must live to kill what the command started. Idempotent."""
-        if self._lifeline >= 0:
-            os.close(self._lifeline)
-            self._lifeline = -1
-        if self.bwrap and self.transport is not None and not self._killed:
-            self._killed = True  # once: SIGKILLed processes start no more, and the group's id could be reused
-            try:
-                os.killpg(self.transport.get_pid(), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass  # nothing of the group is left
-
-
-class _Output(asyncio.SubprocessProtocol):
-    """A run's stdout and stderr, capped, and events for "the command exited" and "the pipes closed"."""
-
-    def __init__(self, cap: int) -> None:
-        self.stdout, self.stderr = _Capped(cap), _Capped(cap)
-        self.exited, self.closed = asyncio.Event(), asyncio.Event()
-
-    def pipe_data_received(self, fd: int, data: bytes) -> None:
-        (self.stdout if fd == 1 else self.stderr).add(data)
-
-    def process_exited(self) -> None:
-        self.exited.set()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed.set()
-
-
-class _Capped:
-    """The first ``cap`` bytes of a stream and a count of the rest."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap, self.kept, self.cut = cap, bytearray(), 0
-
-    def add(self, data: bytes) -> None:
-        room = max(0, self.cap - len(self.kept))
-        self.kept += data[:room]
-        self.cut += max(0, len(data) - room)
-
-    def text(self) -> str:
-        text = self.kept.decode(errors="replace")
-        return text + CUT_MARKER.format(self.cut) if self.cut else text

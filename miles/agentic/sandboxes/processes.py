@@ -1,8 +1,9 @@
 """How a local sandbox starts a command (:mod:`.local`): bubblewrap's arguments, the limits and the death signal a
-child sets up before it runs the command, and which isolation works on this machine."""
+child sets up before it runs the command, a command's state (lifeline, output), and which isolation works here."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
 import logging
@@ -17,9 +18,10 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from miles.agentic.sandboxes import storage
+from miles.agentic.sandboxes.interpreter import Capped
 
-__all__ = ["ISOLATIONS", "NOBODY", "bwrap_argv", "bwrap_problem", "check_mounts", "child_setup", "describe_isolation",
-           "resolve_isolation", "spawn_options", "WATCH_LIFELINE"]
+__all__ = ["ISOLATIONS", "NOBODY", "Output", "Run", "bwrap_argv", "bwrap_problem", "check_mounts", "child_setup",
+           "describe_isolation", "resolve_isolation", "spawn_options", "WATCH_LIFELINE"]
 
 log = logging.getLogger("miles.agentic.sandboxes.local")
 
@@ -111,6 +113,60 @@ def in_child(parent_pid: int, limits: list[tuple[int, int, int]], death_signal: 
         os._exit(1)
     for limit, soft, hard in limits:
         resource.setrlimit(limit, (soft, hard))
+
+
+# -- a command's state ------------------------------------------------------------------------------------
+
+
+class Run:
+    """One command of a sandbox: its private temporary folder, its lifeline (closing our end tells the
+    watcher or reaper to kill everything of the run), its processes, and its disk baseline."""
+
+    def __init__(self, tmp: str, *, baseline: int, bwrap: bool) -> None:
+        self.tmp: str | None = tmp  # None once removed
+        self.baseline, self.bwrap = baseline, bwrap  # baseline: the sandbox's disk use when the run started
+        self.lifeline_in, self._lifeline = os.pipe()
+        self.transport: asyncio.SubprocessTransport | None = None
+        self.over_quota: int | None = None  # the disk use that stopped it
+        self.done = asyncio.Event()
+        self._killed = False
+
+    def close_lifeline_in(self) -> None:
+        """Close our copy of the lifeline's read end (the started process holds its own)."""
+        if self.lifeline_in >= 0:
+            os.close(self.lifeline_in)
+            self.lifeline_in = -1
+
+    def stop(self) -> None:
+        """End the run: close the lifeline; in bwrap mode also SIGKILL the process group at once (it holds
+        bwrap and the sandbox's init, whose death ends everything in its pid namespace). The subprocess-mode
+        reaper is never SIGKILLed: it must live to kill what the command started. Idempotent."""
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
+        if self.bwrap and self.transport is not None and not self._killed:
+            self._killed = True  # once: SIGKILLed processes start no more, and the group's id could be reused
+            try:
+                os.killpg(self.transport.get_pid(), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass  # nothing of the group is left
+
+
+class Output(asyncio.SubprocessProtocol):
+    """A run's stdout and stderr, capped, and events for "the command exited" and "the pipes closed"."""
+
+    def __init__(self, cap: int) -> None:
+        self.stdout, self.stderr = Capped(cap), Capped(cap)
+        self.exited, self.closed = asyncio.Event(), asyncio.Event()
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        (self.stdout if fd == 1 else self.stderr).add(data)
+
+    def process_exited(self) -> None:
+        self.exited.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed.set()
 
 
 # -- which isolation --------------------------------------------------------------------------------------

@@ -86,6 +86,10 @@ class MegatronBackend(RayWorkersBackend):
             raise ConfigError(f"backend.{key}={getattr(self.options, key)!r}: routing replay and the router's aux loss "
                               f"are not wired into the megatron backend yet (megatron-core routes inside its own MoE "
                               f"layer); use backend torch or fsdp2 for them (docs/moe.md)")
+        if self.options.share_prefixes == "true":
+            raise ConfigError("backend.share_prefixes=true: prefix-shared training packs HF models' rows into a tree "
+                              "mask, which the megatron backend does not; use backend torch or fsdp2 for it, or "
+                              "share_prefixes auto or false (docs/backends.md)")
         if self.options.lora is not None:
             raise ConfigError("backend.lora: LoRA (through peft, on HF modules) is not wired into the megatron backend "
                               "(megatron-core's own layers); use backend torch or fsdp2 for it (docs/lora.md)")

@@ -1,0 +1,46 @@
+"""A regression check on what the framework adds to a step: the quickstart's GRPO phase in Miles against the bare
+single-file loop of benchmarks/grpo_overhead.py (same model, data and work), both measured in this process in
+three back-to-back pairs, the median pair's ratio; Miles without prefix sharing, so that it does the loop's very
+work. The benchmark measures the ratio properly; this fails on a 1.5x regression, far beyond the noise of a busy
+machine, which slows both sides of a pair alike."""
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from miles.run.runner import prepare, train
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 20
+PAIRS = 3
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("grpo_overhead", ROOT / "benchmarks" / "grpo_overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_miles_grpo_step_costs_less_than_one_and_a_half_bare_loop_steps(tmp_path):
+    bench = load_benchmark()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        train(prepare(bench.CONFIG, [f"run.dir={tmp_path / 'sft'}", "run.steps=0", "run.progress=false"]))
+        model_dir, train_file = tmp_path / "sft" / "sft_model", tmp_path / "sft" / "data" / "train.jsonl"
+        bench.bare_grpo(model_dir, train_file, 3, seed=0)  # first calls warm up (allocator, lazy imports)
+        bench.miles_grpo(model_dir, tmp_path / "warm-up", 3, seed=0)
+        pairs = []
+        for repeat in range(PAIRS):  # each pair measured back to back, so that both see about the same load
+            runs = [lambda: bench.bare_grpo(model_dir, train_file, STEPS, seed=repeat)[0],
+                    lambda: bench.miles_grpo(model_dir, tmp_path / f"miles{repeat}", STEPS, seed=repeat,
+                                             overrides=("backend.share_prefixes=false",))[0]]
+            bare, miles = [fn() for fn in runs] if repeat % 2 == 0 else [fn() for fn in runs[::-1]][::-1]
+            pairs.append((bare, miles))
+    finally:
+        torch.set_num_threads(threads)
+    ratio = sorted(miles / bare for bare, miles in pairs)[PAIRS // 2]  # the median: a load burst moves one pair
+    print(f"{STEPS} GRPO steps, (bare, miles) in s: {pairs}: ratio {ratio:.2f}")
+    assert ratio < 1.5, f"a Miles step costs {ratio:.2f}x a bare loop's ({pairs}); benchmarks/grpo_overhead.py"

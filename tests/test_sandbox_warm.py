@@ -426,7 +426,20 @@ def test_the_docs_example_keeps_variables_between_calls() -> None:
     assert asyncio.run(namespace["two_turns"]()) == "12.57\n"
 
 
-@pytest.mark.parametrize(("pool", "named"), [("-1", "got -1"), ("2.5", "got 2.5"), ("true", "got True")])
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ([], 16), (["run.schedule=one_step_off"], 16), (["run.schedule=async"], 32),
+    (["run.schedule=async", "rollout.async.max_staleness=2"], 48),
+    (["run.schedule=async", "rollout.async.max_concurrent_samples=20"], 20)])
+def test_an_auto_pool_holds_as_many_sandboxes_as_trajectories_run_at_once(overrides, expected) -> None:
+    from miles.config.prepared import prepare
+    from miles.rollout.assemble import trajectories_at_once
+
+    p = prepare("configs/retool.yaml", ["rollout.prompts_per_step=4", "rollout.n_samples=4", *overrides])
+    assert trajectories_at_once(p.config) == expected
+
+
+@pytest.mark.parametrize(("pool", "named"), [("-1", "got -1"), ("2.5", "got 2.5"), ("true", "got True"),
+                                             ("automatic", "got 'automatic'")])
 def test_a_bad_pool_is_refused_at_start(capsys, tmp_path, pool: str, named: str) -> None:
     from miles.cli import main
 
@@ -434,7 +447,8 @@ def test_a_bad_pool_is_refused_at_start(capsys, tmp_path, pool: str, named: str)
                  f"run.dir={tmp_path}", f"rollout.sandbox={{name: local, pool: {pool}}}"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert f"rollout.sandbox.pool: expected a whole number >= 0 (0: no pool), {named}" in err, err
+    assert (f"rollout.sandbox.pool: expected a whole number >= 0 (0: no pool) or auto (as many as the trajectories "
+            f"that run at once), {named}") in err, err
 
 
 def test_the_retool_recipe_runs_on_a_pool_of_warm_sandboxes_with_the_stateful_tool(tmp_path) -> None:
@@ -443,10 +457,12 @@ def test_the_retool_recipe_runs_on_a_pool_of_warm_sandboxes_with_the_stateful_to
 
     train(prepare("configs/retool.yaml", [
         f"run.dir={tmp_path}", "sft.steps=30", "data.generator.direct_fraction=0.0", "run.steps=1",
-        "rollout.prompts_per_step=4", "rollout.n_samples=4", "run.eval_size=0", "run.progress=false",
-        "rollout.sandbox={name: local, warm: true, pool: 4}", "rollout.env.stateful=true"]))
+        "rollout.prompts_per_step=4", "rollout.n_samples=4", "run.eval_size=0", "run.progress=false"]))
     steps = [r for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
              if "reward/mean" in r]
     assert len(steps) == 1 and all(r["samples/failed"] == 0 for r in steps)
+    # the recipe's pool (auto) holds one sandbox per trajectory of the step: none had to start its own
+    assert steps[0]["sandbox/pool_empty"] == 0 and steps[0]["sandbox/pool_reused"] + steps[0].get(
+        "sandbox/pool_started", 0) >= 1, steps
     assert sum(r["tools/calls"] for r in steps) > 0, steps
     assert not [c for c in _descendants() if "bwrap" in c or SERVER in c]  # no sandbox outlives the run

@@ -327,7 +327,8 @@ ORCHESTRATION_KEYS: dict[str, dict[str, Any]] = {
     "rollout.engine": {"num_engines": 0, "release_memory_during_train": False, "separate_process": "auto"},
     "rollout.fn": {"timeout_s": 0.0},  # seconds per sample, waiting for the engine included; 0: no limit
     "reward": {"timeout_s": 60.0},  # seconds per call (per batch for a batched reward); 0: no limit
-    "rollout.sandbox": {"pool": 0},  # sandboxes kept started for the next trajectories (sandboxes/pool.py); 0: none
+    # sandboxes kept started for the next trajectories (sandboxes/pool.py); 0: none; auto: as many as run at once
+    "rollout.sandbox": {"pool": 0},
 }
 COMPONENT_LISTS: dict[str, str] = {"selection": "data_selector", "run.loggers": "logger"}
 

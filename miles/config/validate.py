@@ -109,8 +109,9 @@ def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[st
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
         problems.append(f"{where}.timeout_s: expected a number of seconds > 0, or 0 for no limit, got {timeout!r}")
     pool = extra.get("pool", 0)
-    if isinstance(pool, bool) or not isinstance(pool, int) or pool < 0:
-        problems.append(f"{where}.pool: expected a whole number >= 0 (0: no pool), got {pool!r}")
+    if pool != "auto" and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 0):
+        problems.append(f"{where}.pool: expected a whole number >= 0 (0: no pool) or auto (as many as the "
+                        f"trajectories that run at once), got {pool!r}")
     engines = extra.get("num_engines", 0)
     if isinstance(engines, bool) or not isinstance(engines, int) or engines < 0:
         problems.append(f"{where}.num_engines: expected a whole number >= 0 (0: in process), got {engines!r}")

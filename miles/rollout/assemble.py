@@ -29,7 +29,7 @@ from miles.models.hf import context_length
 from miles.rollout.context import RolloutContext
 from miles.rollout.plane import RolloutPlane
 
-__all__ = ["rollout_plane", "engine_launcher", "rollout_context", "close_with_run"]
+__all__ = ["rollout_plane", "engine_launcher", "rollout_context", "close_with_run", "trajectories_at_once"]
 
 
 def rollout_plane(p: Any, model_path: str, transport: Any, ray_cluster: Callable[[], Any],
@@ -173,6 +173,8 @@ def _sandbox_factory(p: Any, plane: RolloutPlane, run_name: str, closing: ExitSt
         except Exception as exc:
             raise RunError(f"rollout.sandbox ({p.config.rollout.sandbox.name}): {exc}") from exc
     size = split_node(p.config.rollout.sandbox, "rollout.sandbox")[1]["pool"]
+    if size == "auto":
+        size = trajectories_at_once(p.config)
     if size:  # sandboxes started ahead for the next trajectories; the idle ones close with the run
         pool = SandboxPool(factory, size)
         closing.callback(lambda: plane.run(pool.aclose()))
@@ -182,6 +184,17 @@ def _sandbox_factory(p: Any, plane: RolloutPlane, run_name: str, closing: ExitSt
             raise RunError(f"rollout.sandbox ({p.config.rollout.sandbox.name}): pool: {exc}") from exc
         return pool
     return factory
+
+
+def trajectories_at_once(config: Any) -> int:
+    """The most trajectories a step's schedule runs at once (``rollout.sandbox.pool: auto``): one step's samples
+    (``sync``, ``one_step_off``), or what ``async`` lets generate: ``max_concurrent_samples``, else
+    ``max_staleness + 1`` steps' samples. More (a curriculum's extra rounds) get fresh sandboxes."""
+    step = config.rollout.prompts_per_step * config.rollout.n_samples
+    node = config.rollout["async"]
+    if config.run.schedule != "async":
+        return step
+    return node.max_concurrent_samples or (node.max_staleness + 1) * step
 
 
 def _close_sandboxes(plane: RolloutPlane, sandbox_cls: Any, run_id: str | None) -> None:

@@ -27,6 +27,8 @@ WALK = "sorted((d, sorted(ds), sorted(fs)) for d, ds, fs in os.walk({!r}))"  # a
 OTHERS = "sorted(p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid())"
 # kind -> (a probe printed before the leak and in the next trajectory, code that plants the leak); {sleep}: a
 # command whose processes the host finds by name
+# add_key(2) and request_key(2) on this machine (x86_64, aarch64)
+ADD_KEY, REQUEST_KEY = {"x86_64": (248, 249), "aarch64": (217, 218)}[os.uname().machine]
 LEAKS = {
     "a file in the workspace": (WALK.format('.'), "open('leak.txt', 'w').write('x')\nos.makedirs('d/e')\n"
                                 "os.symlink('/etc', 'link')\nos.chmod('d', 0)\nos.chmod('.', 0o700)"),
@@ -56,6 +58,13 @@ LEAKS = {
     "the umask": ("[(lambda old: os.umask(old) and old)(os.umask(0o77))]", "os.umask(0)"),
     "a SysV shared memory segment": ("open('/proc/sysvipc/shm').read().count('\\n')",
                                      "import ctypes\nassert ctypes.CDLL(None).shmget(0x1234, 4096, 0o1600) >= 0"),
+    # POSIX message queues and keyring keys live in the sandbox's IPC and user namespaces, in no file tree
+    "a POSIX message queue": ("__import__('ctypes').CDLL(None).mq_open(b'/leak', os.O_RDONLY) >= 0",
+                              "import ctypes\nassert ctypes.CDLL(None).mq_open(b'/leak', os.O_CREAT | os.O_RDWR, "
+                              "0o600, None) >= 0"),
+    "a key in the user keyring": (f"__import__('ctypes').CDLL(None).syscall({REQUEST_KEY}, b'user', b'leak', None, 0) "
+                                  f"> 0", "import ctypes\nassert ctypes.CDLL(None).syscall("
+                                  f"{ADD_KEY}, b'user', b'leak', b'secret', 6, -4) > 0"),
 }
 
 

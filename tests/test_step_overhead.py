@@ -4,11 +4,13 @@ three back-to-back pairs, the median pair's ratio; Miles without prefix sharing,
 work. The benchmark measures the ratio properly; this fails on a 1.5x regression, far beyond the noise of a busy
 machine, which slows both sides of a pair alike."""
 
+import gc
 import importlib.util
 from pathlib import Path
 
 import torch
 
+import miles
 from miles.run.runner import prepare, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,3 +46,21 @@ def test_a_miles_grpo_step_costs_less_than_one_and_a_half_bare_loop_steps(tmp_pa
     ratio = sorted(miles / bare for bare, miles in pairs)[PAIRS // 2]  # the median: a load burst moves one pair
     print(f"{STEPS} GRPO steps, (bare, miles) in s: {pairs}: ratio {ratio:.2f}")
     assert ratio < 1.5, f"a Miles step costs {ratio:.2f}x a bare loop's ({pairs}); benchmarks/grpo_overhead.py"
+
+
+def test_the_heap_is_frozen_during_the_steps_only(tmp_path):
+    """What exists before the RL steps is out of the collector's view while they run (full collections would walk
+    it every few steps), and back in view when the run ends: a process that trains again collects the first run's
+    garbage."""
+    frozen = []
+
+    class Probe:
+        @miles.hookimpl
+        def miles_train_step_end(self, step, metrics):
+            frozen.append(gc.get_freeze_count())
+
+    train(prepare(str(ROOT / "configs" / "quickstart.yaml"), [
+        f"run.dir={tmp_path}", "sft.steps=0", "run.steps=2", "run.eval_size=0", "rollout.prompts_per_step=2",
+        "rollout.n_samples=2", "run.progress=false"], extra_plugins=[("probe", Probe())]))
+    assert len(frozen) == 2 and min(frozen) > 10_000  # torch and transformers alone are more
+    assert gc.get_freeze_count() == 0

@@ -132,9 +132,6 @@ async def _score_plain_limited(samples: list[Sample], reward_fn: Callable, timeo
             for i, sample in enumerate(todo):
                 outcome = await calls.result(i, timeout_s)
                 if outcome is None:  # past the limit
-                    if not calls.started(i):  # never called (its thread did not get to run): try it again
-                        samples = todo[i:]
-                        break
                     sample.fail(_reason(TimedOut(f"timed out after {timeout_s:g} s"), name))
                     streak += 1
                     samples = todo[i + 1:]
@@ -222,10 +219,6 @@ class _PlainCalls:
                     await waiter
             except TimeoutError:
                 pass
-
-    def started(self, i: int) -> bool:
-        with self._lock:
-            return self._calling >= i
 
     def taken(self) -> None:
         """The loop has awaited the awaitable the last call returned: the next call may start."""

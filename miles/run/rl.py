@@ -22,7 +22,7 @@ from miles.rollout.collect import GroupCollector
 from miles.rollout.data_source import PromptSource
 from miles.run.checkpoint import model_signature, save_checkpoint
 from miles.run.progress import progress
-from miles.run.state import RunState, freeze_heap, rewind_loggers
+from miles.run.state import RunState, frozen_heap, rewind_loggers
 from miles.train.assemble import rl_backend
 from miles.train.torch_backend import rng_state, set_rng_state
 
@@ -140,8 +140,7 @@ class RLPhase:
         self.schedule = make_schedule(run_cfg.schedule, self.c, stream_settings(config),
                                       version=self.plane.weight_version)
         run.closing.callback(self.schedule.close)  # before the envs, sandboxes and engines it uses are closed
-        freeze_heap()
-        with progress(run_cfg.steps, config.advantage.name, run_cfg.progress) as bar:
+        with frozen_heap(), progress(run_cfg.steps, config.advantage.name, run_cfg.progress) as bar:
             bar.update(self.first_step)
             for step in range(self.first_step, run_cfg.steps):
                 self._step(step, bar)

@@ -47,6 +47,12 @@ PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
 PF_EXITING = 0x4  # a task's flag (/proc/PID/stat) from the moment it starts to exit
 SYSV_IPC = (("shm", 0), ("msg", 1), ("sem", 2))  # /proc/sysvipc/NAME, and which *ctl removes it
 IPC_RMID = 0
+MQUEUE = "/dev/mqueue"  # the sandbox's POSIX message queues (bwrap mounts its IPC namespace's there)
+# keyctl(2): its syscall number per machine, two operations, and the keyrings code in the sandbox can add keys to
+# (they belong to the sandbox's user namespace, which the zygote keeps alive between trajectories)
+KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}
+KEYCTL_CLEAR, KEYCTL_READ = 7, 11
+KEYRINGS = {-3: "session", -4: "user", -5: "user-session"}
 
 
 def main(argv):
@@ -79,7 +85,7 @@ def main(argv):
         session, problems = None, []
         if request.get("end") == "wipe":
             problems = [problem for place in places for problem in restore(place, initial[place])]
-            problems += remove_ipc(libc)
+            problems += remove_ipc(libc) + remove_message_queues() + clear_keyrings(libc)
         send(channel, {"status": status, "left": left, "problems": problems})
 
 
@@ -376,6 +382,35 @@ def remove_ipc(libc):
                 (libc.shmctl, libc.msgctl)[which](ident, IPC_RMID, None)
         if _ipc_ids(name):
             problems.append(f"SysV IPC {name} objects left: {_ipc_ids(name)}")
+    return problems
+
+
+def remove_message_queues():
+    """Remove the POSIX message queues code made (``mq_open``: files of the mqueue mount); what is left, in words."""
+    if not os.path.isdir(MQUEUE):  # subprocess mode: never reused
+        return []
+    for name in os.listdir(MQUEUE):
+        try:
+            os.unlink(os.path.join(MQUEUE, name))
+        except OSError:
+            pass
+    left = os.listdir(MQUEUE)
+    return [f"POSIX message queues left: {sorted(left)}"] if left else []
+
+
+def clear_keyrings(libc):
+    """Clear the keyrings code can add keys to (``add_key``); what is left, in words. A keyring that cannot be read
+    holds nothing this code could reach (its keyctl fails too)."""
+    number = KEYCTL_SYSCALL.get(os.uname().machine)
+    if number is None:
+        return [f"the keyrings cannot be checked on {os.uname().machine}"]
+    problems = []
+    for ring, name in KEYRINGS.items():
+        libc.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_CLEAR), ctypes.c_long(ring))
+        size = libc.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_READ), ctypes.c_long(ring), None,
+                            ctypes.c_long(0))
+        if size > 0:  # 4 bytes per key id
+            problems.append(f"{size // 4} key(s) left in the {name} keyring")
     return problems
 
 

@@ -45,7 +45,7 @@ def bwrap_argv(workspace: str, tmp: str, max_procs: int, mounts: tuple[str, ...]
     that the mounts' folders can be made beside them."""
     root = ["--ro-bind", "/", "/"] if not mounts else top_level_binds()
     binds = [arg for mount in mounts for arg in ("--bind", os.path.join(workspace, mount.lstrip("/")), mount)]
-    return ["bwrap", *root, "--dev", "/dev", "--proc", "/proc", "--bind", tmp, "/tmp",
+    return ["bwrap", *root, "--dev", "/dev", "--mqueue", "/dev/mqueue", "--proc", "/proc", "--bind", tmp, "/tmp",
             "--bind", workspace, workspace, *binds, "--chdir", cwd or workspace, "--unshare-all",
             "--die-with-parent", "--", "prlimit", f"--nproc={max_procs}", "--"]
 

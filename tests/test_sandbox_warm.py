@@ -5,6 +5,7 @@ random moment, timeouts, output caps, limits, 16 trajectories at once on a pool 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import signal
@@ -374,23 +375,47 @@ def test_16_trajectories_on_a_pool_of_4_lose_nothing_and_never_share_a_sandbox(w
 
 # -- the stateful tool --------------------------------------------------------------------------------------
 
-def test_execute_python_code_keeps_variables_across_turns_only_when_stateful() -> None:
-    async def turns(stateful: bool):
-        ctx = EnvContext(lambda: LocalSandbox(), {"execute_python_code": execute_python_code}.__getitem__)
-        env = ToolEnv(ctx, stateful=stateful)
-        try:
-            outputs = []
-            for code in ("x = 6 * 7", "print(x)"):
-                call = ToolCall("execute_python_code", {"code": code}, "1")
-                step = await env.step(Action(text="", tool_calls=[call]))
-                outputs.append(step.observation[0]["content"])
-            return outputs
-        finally:
-            await env.close()
-            await ctx.close()
+async def two_turns(stateful: bool, sandbox=LocalSandbox) -> list[str]:
+    """``x = 6 * 7`` then ``print(x)`` through tool_env's execute_python_code: the two observations."""
+    ctx = EnvContext(lambda: sandbox(), {"execute_python_code": execute_python_code}.__getitem__)
+    env = ToolEnv(ctx, stateful=stateful)
+    try:
+        outputs = []
+        for code in ("x = 6 * 7", "print(x)"):
+            call = ToolCall("execute_python_code", {"code": code}, "1")
+            step = await env.step(Action(text="", tool_calls=[call]))
+            outputs.append(step.observation[0]["content"])
+        return outputs
+    finally:
+        await env.close()
+        await ctx.close()
 
-    assert asyncio.run(turns(True)) == ["", "42\n"]
-    assert "NameError: name 'x' is not defined" in asyncio.run(turns(False))[1]
+
+def test_execute_python_code_keeps_variables_across_turns_only_when_stateful() -> None:
+    assert asyncio.run(two_turns(True)) == ["", "42\n"]
+    assert "NameError: name 'x' is not defined" in asyncio.run(two_turns(False))[1]
+
+
+def test_stateful_calls_on_a_sandbox_with_no_interpreter_run_fresh_and_say_so(caplog) -> None:
+    """A hosted sandbox keeps no interpreter: the recipe's `stateful: true` still runs its calls (fresh), said once."""
+
+    class CommandsOnly:  # a sandbox as the hosted ones are: run and close, no run_python
+        def __init__(self):
+            self.inner = LocalSandbox()
+
+        async def run(self, command, timeout_s, files=None):
+            return await self.inner.run(command, timeout_s=timeout_s, files=files)
+
+        async def close(self):
+            await self.inner.close()
+
+    with caplog.at_level(logging.WARNING, logger="miles.agentic.tool_env"):
+        first, second = asyncio.run(two_turns(True, CommandsOnly))
+        asyncio.run(two_turns(True, CommandsOnly))
+    assert first == "" and "NameError: name 'x' is not defined" in second
+    said = [r.getMessage() for r in caplog.records if "no persistent interpreter" in r.getMessage()]
+    assert said == ["rollout.env.stateful: CommandsOnly has no persistent interpreter (run_python, as the builtin "
+                    "local sandbox has): each execute_python_code call runs in a fresh python3, variables not kept"]
 
 
 def test_stateful_is_refused_without_a_tool_that_keeps_state() -> None:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 from miles.agentic.types import Action, EnvContext, StepResult, Tool, ToolResult, tool
 from miles.hookspecs import takes_option
 
 __all__ = ["ToolEnv", "execute_python_code"]
+
+log = logging.getLogger(__name__)
+_FRESH_ONLY: set[str] = set()  # sandbox classes said to run stateful calls fresh
 
 
 @tool(parameters={"type": "object", "properties": {"code": {"type": "string", "description": "Python source to run"}},
@@ -18,12 +22,15 @@ async def execute_python_code(sandbox: Any, timeout_s: float, code: str, *, stat
     """Run Python code in a sandbox and return what it prints (stdout, then stderr).
 
     Each call is a fresh ``python3``; with ``stateful`` (``tool_env``'s option) the calls of one trajectory run in
-    the sandbox's persistent interpreter (``run_python``: the builtin ``local`` sandbox), variables kept."""
-    if stateful:
-        run_python = getattr(sandbox, "run_python", None)
-        if run_python is None:
-            raise RuntimeError(f"stateful: true needs a sandbox with a persistent interpreter (run_python), such as "
-                               f"the builtin local sandbox; {type(sandbox).__name__} has none")
+    the sandbox's persistent interpreter (``run_python``: the builtin ``local`` sandbox), variables kept. A sandbox
+    with no such interpreter (the hosted ones) runs each call fresh, said once: a recipe runs unchanged on it."""
+    run_python = getattr(sandbox, "run_python", None) if stateful else None
+    if stateful and run_python is None and type(sandbox).__name__ not in _FRESH_ONLY:
+        _FRESH_ONLY.add(type(sandbox).__name__)
+        log.warning("rollout.env.stateful: %s has no persistent interpreter (run_python, as the builtin local "
+                    "sandbox has): each execute_python_code call runs in a fresh python3, variables not kept",
+                    type(sandbox).__name__)
+    if run_python is not None:
         result = await run_python(code, timeout_s=timeout_s)
     else:
         result = await sandbox.run("python3 -I main.py", timeout_s=timeout_s, files={"main.py": code.encode()})

@@ -73,7 +73,7 @@ class Policy:
         # backend.share_prefixes: a model that cannot take a tree mask is refused here under `true`
         self.sharing = PrefixSharing(options.share_prefixes, [m for m in (model, ref_model, critic) if m is not None],
                                      exact_logprobs=options.exact_logprobs, routing_replay=options.routing_replay,
-                                     pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
+                                     pad_token_id=getattr(getattr(model, "config", None), "pad_token_id", None) or 0)
         # only what trains (with LoRA: the adapters) has optimizer state
         self.optimizer = optimizer or torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=options.lr, betas=(options.beta1, options.beta2),

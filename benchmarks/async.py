@@ -31,6 +31,7 @@ VARIANTS = {  # name: overrides
     "async (defaults)": ["run.schedule=async"],
     "async k=1, in_place": ["run.schedule=async", "rollout.async.update=in_place"],
     "async k=2, in_place": ["run.schedule=async", "rollout.async.update=in_place", "rollout.async.max_staleness=2"],
+    "async, engine in process": ["run.schedule=async", "rollout.engine.separate_process=false"],
     "async k=2, in process": ["run.schedule=async", "rollout.async.update=in_place", "rollout.async.max_staleness=2",
                               "rollout.engine.separate_process=false"],
 }

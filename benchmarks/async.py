@@ -26,14 +26,16 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {"quickstart": ("configs/quickstart.yaml", 200), "retool": ("configs/retool.yaml", 30)}
 VARIANTS = {  # name: overrides
     "sync, engine in process": ["run.schedule=sync"],
-    "sync, engine process": ["run.schedule=sync", "rollout.engine.separate_process=true"],
+    "sync, trainer process": ["run.schedule=sync", "backend.separate_process=true"],
     "one_step_off (defaults)": ["run.schedule=one_step_off"],
     "async (defaults)": ["run.schedule=async"],
     "async k=1, in_place": ["run.schedule=async", "rollout.async.update=in_place"],
     "async k=2, in_place": ["run.schedule=async", "rollout.async.update=in_place", "rollout.async.max_staleness=2"],
-    "async, engine in process": ["run.schedule=async", "rollout.engine.separate_process=false"],
-    "async k=2, in process": ["run.schedule=async", "rollout.async.update=in_place", "rollout.async.max_staleness=2",
-                              "rollout.engine.separate_process=false"],
+    "async, abort, partial": ["run.schedule=async", "rollout.async.update=abort", "rollout.partial_rollout=true"],
+    # the trainer here, the engine in a process of its own (the default before backend.separate_process)
+    "async, engine process": ["run.schedule=async", "backend.separate_process=false"],
+    "async, one process": ["run.schedule=async", "backend.separate_process=false",
+                           "rollout.engine.separate_process=false"],
 }
 
 

@@ -214,8 +214,8 @@ class TrainBatch:
 
     def select(self, rows: slice | torch.Tensor | list[int]) -> "TrainBatch":
         """A view of some rows (for micro-batches); trailing all-padding columns are trimmed."""
-        if isinstance(rows, slice):
-            samples = self.samples[rows]
+        if isinstance(rows, slice) or not self.samples:  # a batch sent to another process has no samples
+            samples = self.samples[rows] if isinstance(rows, slice) else []
         else:
             samples = [self.samples[i] for i in (rows.tolist() if torch.is_tensor(rows) else rows)]
         attention_mask = self.attention_mask[rows]

@@ -1,7 +1,7 @@
 """The embedded engine in a process of its own under a streaming schedule (rollout.engine.separate_process,
-miles/engine/process.py): where it runs, what a run says when it cannot overlap, and that the server never
-outlives the run: at its end, when the trainer is SIGKILLed, and when the server itself dies mid-run (it is
-started again and caught up)."""
+miles/engine/process.py) when the trainer keeps the run's process (backend.separate_process=false): where it
+runs, what a run says when it cannot overlap, and that the server never outlives the run: at its end, when the
+trainer is SIGKILLed, and when the server itself dies mid-run (it is started again and caught up)."""
 
 import json
 import os
@@ -13,30 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import alive, children, wait_gone
 
 import miles
 from miles.errors import ConfigError
 from miles.run.runner import prepare, train
 
-QUICK = ["sft.steps=20", "run.eval_size=0", "rollout.prompts_per_step=4", "rollout.n_samples=4", "run.progress=false"]
+# backend.separate_process=false: the trainer keeps this process, so that auto serves the engine from a child
+QUICK = ["sft.steps=20", "run.eval_size=0", "rollout.prompts_per_step=4", "rollout.n_samples=4", "run.progress=false",
+         "backend.separate_process=false"]
 SERVED_FROM = re.compile(r"the engine serves from process (\d+)")
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not: it has exited and waits to be reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pid: int, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.mark.parametrize("override, message", [
@@ -135,16 +121,7 @@ def test_an_engine_process_killed_mid_run_is_started_again_and_caught_up(tmp_pat
 
 def engine_servers() -> list[int]:
     """Children of this process serving an engine."""
-    found = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            ppid = int(next(line for line in status.read_text().splitlines() if line.startswith("PPid:")).split()[1])
-            cmdline = (status.parent / "cmdline").read_text()
-        except (OSError, StopIteration):
-            continue
-        if ppid == os.getpid() and "engine\0serve" in cmdline and alive(int(status.parent.name)):
-            found.append(int(status.parent.name))
-    return found
+    return children("engine\0serve")
 
 
 def run_quickstart_in_a_process(tmp_path: Path, *overrides: str, affinity: set[int] | None = None,

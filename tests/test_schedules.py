@@ -4,6 +4,7 @@ a real in-process engine with a worker thread, and on Ray engines in processes o
 import asyncio
 import json
 import random
+import threading
 import time
 
 import pytest
@@ -166,6 +167,42 @@ def test_staleness_never_exceeds_the_bound_and_every_group_is_accounted_for(tmp_
     assert [m["reward/mean"] for m in recorder.metrics] == pytest.approx(recorder.batch_rewards), where
     assert all(m["reward/finished_mean"] == m["reward/finished_mean"] or m["samples/total"] == 0
                for m in recorder.metrics), where
+
+
+class LatePush:
+    """Holds the push of step 0's weights until the trainer has taken step 1's batch: the moment one_step_off
+    would admit step 2's prompts, whatever the timing."""
+
+    def __init__(self):
+        self.taken = threading.Event()
+
+    @miles.hookimpl
+    def miles_rollout_end(self, step, groups):
+        if step == 1:
+            self.taken.set()
+
+
+@pytest.mark.parametrize("update", ["pause", "in_place"])
+def test_one_step_off_waits_for_the_last_push_before_the_next_step(tmp_path, monkeypatch, update):
+    """one_step_off admits a step's prompts when the trainer takes the last batch, but not before the engines hold
+    the weights that trainer had: generated on older ones, they would be two versions old when trained (dropped)."""
+    from miles.loop.schedules import StreamSchedule
+
+    late, push = LatePush(), StreamSchedule._push
+
+    def held_push(self, step, backend):
+        if step == 0:
+            assert late.taken.wait(120), "the trainer never took step 1's batch"
+        push(self, step, backend)
+
+    monkeypatch.setattr(StreamSchedule, "_push", held_push)
+    train(prepare("configs/quickstart.yaml", [f"run.dir={tmp_path}", *QUICK, "run.steps=4", "run.schedule=one_step_off",
+                                              f"rollout.async.update={update}", "backend.separate_process=false"],
+                  extra_plugins=[("late", late)]))
+    rows = metrics_of(tmp_path)
+    assert [r["async/stale_dropped"] for r in rows] == [0, 0, 0, 0]
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    assert all(r["train/samples"] == 16 for r in rows)
 
 
 @pytest.mark.slow

@@ -323,8 +323,11 @@ ORCHESTRATION_KEYS: dict[str, dict[str, Any]] = {
     # num_engines 0: in process; N >= 1: N engines over HTTP as Ray actors. release_memory_during_train: the
     # engines free their weights and KV cache while the trainer trains (sync schedule; a colocated trainer).
     # separate_process (num_engines 0): serve the engine from a child process (auto: under a streaming schedule,
-    # on 2 cores or more; miles/engine/process.py)
+    # on 2 cores or more, when the trainer keeps this process: backend.separate_process; miles/engine/process.py)
     "rollout.engine": {"num_engines": 0, "release_memory_during_train": False, "separate_process": "auto"},
+    # separate_process: train in a child process beside the rollout plane (auto: under a streaming schedule whose
+    # engine generates in this process, on 2 cores or more; miles/train/process_backend.py)
+    "backend": {"separate_process": "auto"},
     "rollout.fn": {"timeout_s": 0.0},  # seconds per sample, waiting for the engine included; 0: no limit
     "reward": {"timeout_s": 60.0},  # seconds per call (per batch for a batched reward); 0: no limit
     # sandboxes kept started for the next trajectories (sandboxes/pool.py); 0: none; auto: as many as run at once

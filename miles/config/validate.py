@@ -117,6 +117,13 @@ def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[st
         problems.append(f"{where}.num_engines: expected a whole number >= 0 (0: in process), got {engines!r}")
     elif where == "rollout.engine" and not problems:
         problems += _engine_problems(registry, plain, engines, extra)
+    if where == "backend" and not problems:
+        separate = extra["separate_process"]
+        if not (separate == "auto" or isinstance(separate, bool)):
+            problems.append(f"backend.separate_process: expected auto, true or false, got {separate!r}")
+        elif separate is True and uses_ray(registry.get("backend", plain["name"]).obj):
+            problems.append(f"backend.separate_process: true trains in a child process of this one, but backend "
+                            f"{plain['name']!r} trains in Ray workers of its own already; use auto or false")
     return problems
 
 

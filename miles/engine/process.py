@@ -5,7 +5,8 @@ overlap. An engine in the trainer's process generates in a thread that shares th
 training: each waits for the other, and the step was measured at 0.6-0.74x the synchronous one. In a process of
 its own (``miles engine serve`` on 127.0.0.1, driven over HTTP through the router like any remote engine) it has
 a core to itself. ``rollout.engine.separate_process`` chooses: ``auto`` does this for a streaming schedule when
-the machine has two cores or more, ``true`` always (any schedule), ``false`` never.
+the machine has two cores or more and the trainer keeps this process (by default the trainer moves out instead:
+``backend.separate_process``, :mod:`miles.train.process_backend`), ``true`` always (any schedule), ``false`` never.
 
 The server is a child of the trainer: it dies with it (parent-death signal), and the run stops it at its end.
 One that dies during the run is started again, as Ray restarts an engine actor, and caught up with the
@@ -38,19 +39,24 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def separate_process(setting: str | bool, *, engine: str, streaming: bool) -> tuple[bool, str | None]:
+def separate_process(setting: str | bool, *, engine: str, streaming: bool,
+                     trainer_apart: bool = False) -> tuple[bool, str | None]:
     """Whether the in-process engine (``num_engines: 0``) ``engine`` is served from a process of its own, and a
-    line to print at start when a streaming schedule keeps it in this process (its steps cannot overlap)."""
-    if setting is True or (setting == "auto" and streaming and engine == "local" and cores() >= 2):
+    line to print at start when a streaming schedule keeps it and the trainer in this process (its steps cannot
+    overlap). ``trainer_apart``: the trainer has a process of its own (``backend.separate_process``), which
+    ``auto`` prefers: the engine then generates here, without HTTP between it and the rollouts."""
+    if setting is True or (setting == "auto" and streaming and engine == "local" and cores() >= 2
+                           and not trainer_apart):
         return True, None
-    if not streaming:
+    if not streaming or trainer_apart:
         return False, None
-    why = ("rollout.engine.separate_process=false" if setting is False else
+    why = ("rollout.engine.separate_process=false, and the trainer runs here too" if setting is False else
            f"rollout.engine {engine!r} runs in this process" if engine != "local" else
            f"this machine gives the run {cores()} core")
     return False, (f"the rollout cannot overlap training: the engine generates in this process ({why}), in a "
                    f"thread that shares the interpreter with training, so each step waits for both. Overlap needs "
-                   f"rollout.engine.separate_process (auto: on 2 cores or more) or rollout.engine.num_engines >= 1")
+                   f"backend.separate_process or rollout.engine.separate_process (auto: on 2 cores or more) or "
+                   f"rollout.engine.num_engines >= 1")
 
 
 def start_engine_process(model_path: str, engine_args: dict[str, Any], *, threads: int, startup_timeout_s: float,

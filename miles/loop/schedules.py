@@ -127,7 +127,10 @@ class GroupStream:
 
     def _room(self) -> int:
         if self.s.whole_steps:  # the next step's prompts, once the last are done (a selector may have left it short)
-            return self.batch - len(self.ready) if not self.flights and len(self.ready) < self.batch else 0
+            # and the engines hold the weights of the trainer that took the last batch (no push of older ones left
+            # to land): generated on them, they are trained one version later, never two
+            landed = len(self.held) <= 1
+            return self.batch - len(self.ready) if landed and not self.flights and len(self.ready) < self.batch else 0
         room = self.cap - len(self.flights) - len(self.ready) - sum(self.held)
         if self.s.max_concurrent_samples:
             running = sum(len(f.group.samples) for f in self.flights)
@@ -335,7 +338,10 @@ class StreamSchedule:
         self.settle()
         self.version = step + 1
         if isinstance(self.c.transport, SnapshotTransport) and self.c.transport.exports_only:
-            weights = {k: v.detach().clone() for k, v in self.c.learner.backend.export_weights().items()}
+            backend = self.c.learner.backend
+            weights = backend.export_weights()
+            if not getattr(backend, "exports_copies", False):  # the backend's own tensors: it trains them next
+                weights = {k: v.detach().clone() for k, v in weights.items()}
             self._pushing = self._pusher.submit(self._push, step, _Exported(weights))
         else:
             self._push(step, self.c.learner.backend)

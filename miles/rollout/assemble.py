@@ -28,6 +28,7 @@ from miles.hookspecs import (BackgroundEngine, CheckedSandbox, ClosingRolloutFn,
 from miles.models.hf import context_length
 from miles.rollout.context import RolloutContext
 from miles.rollout.plane import RolloutPlane
+from miles.train.process_backend import separate_trainer
 
 __all__ = ["rollout_plane", "engine_launcher", "rollout_context", "close_with_run", "trajectories_at_once"]
 
@@ -47,7 +48,8 @@ def rollout_plane(p: Any, model_path: str, transport: Any, ray_cluster: Callable
         num_engines = 0
     streaming = p.config.run.schedule != "sync"
     if num_engines == 0 and not p.config.cluster.local_mode:
-        own, why_not = separate_process(extra["separate_process"], engine=engine_args["name"], streaming=streaming)
+        own, why_not = separate_process(extra["separate_process"], engine=engine_args["name"], streaming=streaming,
+                                        trainer_apart=separate_trainer(p.config, p.registry))
         if own:
             return _engine_process_plane(p, model_path, engine_args, transport, closing)
         if why_not:

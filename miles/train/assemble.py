@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from miles.config.validate import component_node
+from miles.config.validate import component_node, split_node
+from miles.engine.process import cores
 from miles.hookspecs import NeedsValues, uses_ray
+from miles.train.process_backend import ProcessBackend, separate_trainer
 
 __all__ = ["build_backend", "setup_backend", "rl_backend"]
 
@@ -19,7 +22,7 @@ def build_backend(p: Any, ray_cluster: Callable[[], Any] | None = None, *, where
     ``overrides``. One that uses Ray gets ``cluster.train_resources``, and ``ray_cluster()`` starts or joins the
     cluster first; without ``ray_cluster`` it is only built (its constructor checks its options). ``where`` names
     the node in errors."""
-    node = {**component_node(p.config.backend), **overrides}
+    node = {**split_node(p.config.backend, "backend")[0], **overrides}  # without how it runs (separate_process)
     if ray_cluster is None or not uses_ray(p.registry.get("backend", node["name"]).obj):
         return p.registry.build("backend", node, where)
     ray_cluster()
@@ -42,10 +45,18 @@ def setup_backend(p: Any, backend: Any, model_path: str, seed: int) -> None:
 def rl_backend(p: Any, ray_cluster: Callable[[], Any], closing: Any, model_path: str, seed: int,
                remote: bool) -> Any:
     """The policy's backend for RL, set up from ``model_path``; with engines on Ray (``remote``) and the sync
-    schedule, a backend that does not use Ray itself trains in an actor. ``closing`` shuts it down."""
+    schedule, a backend that does not use Ray itself trains in an actor; with ``backend.separate_process``, in a
+    child process (:mod:`miles.train.process_backend`). ``closing`` shuts it down."""
     config = p.config
     overrides = {"exact_logprobs": True} if config.rollout.true_on_policy else {}  # as the engine computes them
     backend = build_backend(p, ray_cluster, **overrides)
+    if separate_trainer(config, p.registry):
+        threads = config.run.torch_threads if config.run.torch_threads > 0 else max(1, cores() // 2)
+        backend = ProcessBackend(backend, threads=threads)
+        closing.callback(backend.shutdown)
+        print(f"backend.separate_process: the trainer runs in process {backend.pid}", file=sys.stderr)
+        setup_backend(p, backend, model_path, seed)
+        return backend
     # On Ray, the synchronous loop's training plane is an actor too. A streaming schedule trains here, beside the
     # rollout loop's thread: measured on the quickstart, 50 ms a step against 65 ms through an actor.
     if remote and not uses_ray(backend) and config.run.schedule == "sync":

@@ -9,7 +9,7 @@ import torch
 
 from miles.types import LossInputs, TrainBatch
 
-__all__ = ["TrainBackend", "LossFn"]
+__all__ = ["TrainBackend", "LossFn", "BackendProxy"]
 
 LossFn = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]
 
@@ -72,3 +72,41 @@ class TrainBackend(Protocol):
 
     def shutdown(self) -> None:
         """Release workers and memory."""
+
+
+class BackendProxy:
+    """A backend that runs elsewhere (a Ray actor, a child process), seen through its contract: each method sends
+    its call through :meth:`_call`, a batch first through :meth:`_batch` (what of it crosses)."""
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def _batch(self, batch: TrainBatch) -> TrainBatch:
+        return batch
+
+    def setup(self, model_path: str, *, seed: int, **options: Any) -> None:
+        self._call("setup", model_path, seed=seed, **options)
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._call("compute_logprobs", self._batch(batch))
+
+    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._call("ref_logprobs", self._batch(batch))
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        return self._call("compute_values", self._batch(batch))
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        return self._call("train_step", self._batch(batch), loss_fn)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self._call("export_weights")
+
+    def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
+        self._call("save_pretrained", path, tokenizer, metadata)
+
+    def save_checkpoint(self, path: str) -> None:
+        self._call("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self._call("load_checkpoint", path)

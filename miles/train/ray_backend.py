@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from miles.errors import RunError
+from miles.train.backend import BackendProxy
 
 __all__ = ["BackendHost", "RemoteBackend", "launch_backend"]
 
@@ -29,7 +30,7 @@ class BackendHost:
         return getattr(self.backend, method)(*args, **kwargs)
 
 
-class RemoteBackend:
+class RemoteBackend(BackendProxy):
     """The driver's view of a backend in an actor (the :class:`miles.train.TrainBackend` contract)."""
 
     def __init__(self, ray: Any, actor: Any, group: Any) -> None:
@@ -43,33 +44,6 @@ class RemoteBackend:
         except self._ray.exceptions.RayActorError as exc:
             raise RunError(f"the training worker died during {method}: {exc}. "
                            f"The last checkpoint is untouched.") from exc
-
-    def setup(self, model_path: str, *, seed: int, **options: Any) -> None:
-        self._call("setup", model_path, seed=seed, **options)
-
-    def compute_values(self, batch: Any) -> Any:
-        return self._call("compute_values", batch)
-
-    def compute_logprobs(self, batch: Any) -> Any:
-        return self._call("compute_logprobs", batch)
-
-    def ref_logprobs(self, batch: Any) -> Any:
-        return self._call("ref_logprobs", batch)
-
-    def train_step(self, batch: Any, loss_fn: Any) -> dict[str, float]:
-        return self._call("train_step", batch, loss_fn)
-
-    def export_weights(self) -> dict[str, Any]:
-        return self._call("export_weights")
-
-    def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
-        self._call("save_pretrained", path, tokenizer, metadata)
-
-    def save_checkpoint(self, path: str) -> None:
-        self._call("save_checkpoint", path)
-
-    def load_checkpoint(self, path: str) -> None:
-        self._call("load_checkpoint", path)
 
     def shutdown(self) -> None:
         """Shut the backend down and release its actor (once; later calls do nothing)."""

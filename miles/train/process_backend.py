@@ -1,0 +1,169 @@
+"""The training plane in a process of its own, beside the rollout plane, without Ray.
+
+Why: under a streaming schedule (``run.schedule`` one_step_off or async) generation and training are meant to
+overlap. In one process they share the interpreter lock: the rollout loop's thread (its event loop, the
+in-process engine, rewards) and the trainer take turns, and neither gets a core. Here the backend trains in a
+child process (``multiprocessing``'s spawn; a pipe carries each call and its answer, pickled): the driver keeps
+the rollout plane, with its engine, and waits on the pipe without holding the lock while the child trains.
+``backend.separate_process`` chooses (:func:`separate_trainer`).
+
+The child dies with the driver (parent-death signal) and ignores Ctrl-C: the driver hears it, stops the run and
+shuts the child down. A child that dies is not restarted (its optimizer state is gone): the call that was
+running raises a :class:`miles.errors.RunError` naming it, and the last checkpoint is untouched.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import traceback
+from dataclasses import replace
+from typing import Any
+
+from miles.errors import RunError
+from miles.train.backend import BackendProxy
+
+__all__ = ["ProcessBackend", "separate_trainer"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def separate_trainer(config: Any, registry: Any) -> bool:
+    """Whether the configured backend trains in a child process (``backend.separate_process``).
+
+    ``auto``: under a streaming schedule whose engine generates in this process (``rollout.engine.num_engines: 0``),
+    on two cores or more; ``true``: always; never under ``cluster.local_mode`` (every plane in this process) nor
+    for a backend that trains in Ray workers of its own."""
+    from miles.config.schema import split_node
+    from miles.engine.process import cores
+    from miles.hookspecs import uses_ray
+
+    node, extra = split_node(config.backend, "backend")
+    setting = extra["separate_process"]
+    if config.cluster.local_mode or setting is False or uses_ray(registry.get("backend", node["name"]).obj):
+        return False
+    if setting is True:
+        return True
+    engines = split_node(config.rollout.engine, "rollout.engine")[1]["num_engines"]
+    return config.run.schedule != "sync" and engines == 0 and cores() >= 2
+
+
+def _tensor(data: bytes, dtype: str, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a tensor as its raw bytes, dtype and shape: several times faster than torch's own reduction
+    (a ``torch.save`` per storage), and without the shared-memory files ``torch.multiprocessing`` would make."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if type(obj) is torch.Tensor or isinstance(obj, torch.Tensor) and not obj.requires_grad:
+            t = obj.detach().cpu().contiguous()
+            return _tensor, (t.view(-1).view(torch.uint8).numpy().tobytes(), str(t.dtype).removeprefix("torch."),
+                             tuple(t.shape))
+        return NotImplemented
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def _serve(conn: Any, backend: Any, threads: int, parent: int) -> None:
+    """The child: runs each call it receives on ``backend`` and sends back its result or its exception."""
+    import ctypes
+
+    import torch
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the driver died before prctl
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    torch.set_num_threads(threads)
+    while True:
+        try:
+            method, args, kwargs = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        try:
+            reply = ("ok", getattr(backend, method)(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+            reply = ("error", exc, traceback.format_exc())
+        try:
+            data = _dumps(reply)
+        except Exception as exc:  # noqa: BLE001 - e.g. an exception that cannot be pickled
+            data = pickle.dumps(("error", RuntimeError(f"{method}: {reply[1]!r} ({exc})"), ""), protocol=5)
+        conn.send_bytes(data)
+        if method == "shutdown":
+            return
+
+
+class ProcessBackend(BackendProxy):
+    """The driver's view of a backend training in a child process (the :class:`miles.train.TrainBackend`
+    contract). Calls are answered in order, one at a time."""
+
+    def __init__(self, backend: Any, *, threads: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._proc = context.Process(target=_serve, args=(child, backend, threads, os.getpid()),
+                                     name="miles-trainer", daemon=True)
+        self._proc.start()
+        child.close()
+        self._closed = self._interrupted = False
+
+    exports_copies = True  # export_weights answers with tensors of its own: a push may keep them as they are
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise RunError(f"the training process was shut down; cannot run {method}")
+        try:
+            self._conn.send_bytes(_dumps((method, args, kwargs)))
+            reply = pickle.loads(self._conn.recv_bytes())
+        except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
+            self._proc.join(5)
+            raise RunError(f"the training process died during {method} (exit code {self._proc.exitcode}); "
+                           f"the last checkpoint is untouched") from exc
+        except BaseException:  # e.g. Ctrl-C while the child works: its answer would reach the next call
+            self._interrupted = True
+            raise
+        if reply[0] == "ok":
+            return reply[1]
+        exc, where = reply[1], reply[2]
+        if where:
+            print(f"miles: the training process failed in {method}:\n{where}", file=sys.stderr, end="")
+        raise exc
+
+    def _batch(self, batch: Any) -> Any:
+        """The batch without its samples (the rollout's records, for the driver's use): only tensors cross."""
+        return replace(batch, samples=[])
+
+    def shutdown(self) -> None:
+        """Shut the backend down and end its process (once; later calls do nothing)."""
+        if self._closed:
+            return
+        try:
+            if self._proc.is_alive() and not self._interrupted:
+                self._call("shutdown")
+        except RunError:
+            pass  # already gone
+        finally:
+            self._closed = True
+            self._conn.close()
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()

@@ -21,7 +21,7 @@ from miles.weights.fleet import Endpoint, Engines
 from miles.weights.lora import is_adapter_payload
 from miles.weights.shm import HEADER, MAGIC, SHM_DTYPES, SHM_PATH, WRITING, WeightFile, _view
 from miles.weights.transports import (
-    AutoTransport, SharedMemoryTransport, TensorTransport, _copy_to_local, _refuse_sglang,
+    AutoTransport, SharedMemoryTransport, TensorTransport, _copy_to_local, _refuse_sglang, post_each,
 )
 from miles.weights.wire import tensor_bytes
 
@@ -172,24 +172,17 @@ class DeltaSharedMemoryTransport(_Counted, SharedMemoryTransport):
     async def _post_each(self, plane: Engines, descriptor: dict[str, Any]) -> list[tuple[Any, EngineRequestError]]:
         """The delta to each engine in service that holds its base, the whole file to the others and to those
         that refuse the delta; returns the refusals of the whole file, by engine."""
-        if (error := plane.router.no_engine_left()) is not None:
-            raise error
         delta = self._delta
 
-        async def one(engine: Endpoint) -> tuple[Any, EngineRequestError] | None:
+        async def send(engine: Endpoint) -> None:
             if delta is not None and engine.weight_version == delta["base_version"]:
                 if await _post_delta(plane, engine, SHM_PATH, {**descriptor, "delta": delta}):
                     self.stats["delta_posts"] += 1
-                    return None
+                    return
             self.stats["full_posts" if delta is None else "full_catch_ups"] += 1
-            try:
-                await plane.router.post_all(SHM_PATH, descriptor, engines=[engine])
-            except EngineRequestError as exc:
-                return engine, exc
-            return None
+            await plane.router.post_all(SHM_PATH, descriptor, engines=[engine])
 
-        answers = await asyncio.gather(*(one(e) for e in plane.router.healthy))
-        return [a for a in answers if a is not None]
+        return await post_each(plane, send)
 
     async def catch_up(self, plane: Engines, engine: Endpoint) -> None:
         if (last := self._last) is not None and engine.weight_version != last["weight_version"]:
@@ -281,25 +274,18 @@ class DeltaTensorTransport(_Counted, TensorTransport):
                          section: dict[str, Any] | None) -> list[tuple[Any, EngineRequestError]]:
         """The delta to each engine in service that holds its base, the whole weights to the others and to those
         that refuse the delta; returns the refusals of the whole weights, by engine."""
-        if (error := plane.router.no_engine_left()) is not None:
-            raise error
         params = {"weight_version": str(snapshot[1])}
 
-        async def one(engine: Endpoint) -> tuple[Any, EngineRequestError] | None:
+        async def send(engine: Endpoint) -> None:
             if section is not None and engine.weight_version == section["base_version"]:
                 if await _post_delta(plane, engine, TENSOR_PATH, body, params):
                     self.stats["delta_posts"] += 1
-                    return None
+                    return
             self.stats["full_posts" if section is None else "full_catch_ups"] += 1
             full = await asyncio.get_running_loop().run_in_executor(None, self._full_bytes, snapshot)
-            try:
-                await plane.router.post_all(TENSOR_PATH, full, params=params, engines=[engine])
-            except EngineRequestError as exc:
-                return engine, exc
-            return None
+            await plane.router.post_all(TENSOR_PATH, full, params=params, engines=[engine])
 
-        answers = await asyncio.gather(*(one(e) for e in plane.router.healthy))
-        return [a for a in answers if a is not None]
+        return await post_each(plane, send)
 
     async def catch_up(self, plane: Engines, engine: Endpoint) -> None:
         # Repeat if a push landed while this engine was catching up (it was not yet in service).

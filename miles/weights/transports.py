@@ -22,6 +22,7 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -245,6 +246,23 @@ class DistributedTransport:
             self._group, self._members = None, ()
 
 
+async def post_each(plane: Engines, post: Callable[[Endpoint], Awaitable[Any]]) -> list[tuple[Any, EngineRequestError]]:
+    """``post(engine)`` for every engine in service at once (read here, on the rollout loop), waiting for every
+    answer; the engines that refused, with their refusal. No engine left in service raises the router's error."""
+    if (error := plane.router.no_engine_left()) is not None:
+        raise error
+
+    async def one(engine: Endpoint) -> tuple[Any, EngineRequestError] | None:
+        try:
+            await post(engine)
+        except EngineRequestError as exc:
+            return engine, exc
+        return None
+
+    answers = await asyncio.gather(*(one(e) for e in plane.router.healthy))
+    return [a for a in answers if a is not None]
+
+
 class SharedMemoryUnavailable(ConfigError):
     """``shm`` cannot serve these ``engines`` (they cannot open the file), or with none named, cannot serve at
     all (/dev/shm missing or too small for the weights, a dtype it does not carry)."""
@@ -326,21 +344,9 @@ class SharedMemoryTransport:
         self._written = descriptor["sequence"]
 
     async def _post_each(self, plane: Engines, descriptor: dict[str, Any]) -> list[tuple[Any, EngineRequestError]]:
-        """Post to every engine in service (read here, on the rollout loop) and wait for every answer, so
-        that no engine still reads when the next push rewrites the file. An engine that fails is
-        quarantined (``Router.post_all``); returns the refusals, by engine."""
-        if (error := plane.router.no_engine_left()) is not None:
-            raise error
-
-        async def one(engine: Endpoint) -> tuple[Any, EngineRequestError] | None:
-            try:
-                await plane.router.post_all(SHM_PATH, descriptor, engines=[engine])
-            except EngineRequestError as exc:
-                return engine, exc
-            return None
-
-        answers = await asyncio.gather(*(one(e) for e in plane.router.healthy))
-        return [a for a in answers if a is not None]
+        """Post to every engine in service and wait for every answer, so that no engine still reads when the next
+        push rewrites the file. An engine that fails is quarantined (``Router.post_all``); returns the refusals."""
+        return await post_each(plane, lambda engine: plane.router.post_all(SHM_PATH, descriptor, engines=[engine]))
 
     async def _until_written(self, descriptor: dict[str, Any]) -> None:
         """Wait while a push writes the file ``descriptor`` describes (milliseconds to seconds)."""

@@ -180,13 +180,7 @@ class LocalSandbox:
         """Write ``files`` (paths relative to the workspace) and run ``command`` with ``/bin/sh -c``."""
         if self.warm and not self._closed and not self._call_lock().locked():  # busy: a run of its own, as cold
             return await self._warm_call({"shell": command}, timeout_s, files)
-        if self._closed:
-            raise RuntimeError("this sandbox is closed")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
-        workspace = self._ensure_workspace()
-        self._put_files(workspace, {self._relative(path): data.encode() if isinstance(data, str) else data
-                                    for path, data in (files or {}).items()})
+        self._before_call(timeout_s, files)
         run = self._new_run()  # registered before anything is awaited: close() ends it from here on
         try:
             return await self._execute(run, command, timeout_s)
@@ -278,15 +272,19 @@ class LocalSandbox:
             self._lock = (loop, asyncio.Lock())
         return self._lock[1]
 
-    async def _warm_call(self, request: dict, timeout_s: float, files: dict[str, bytes] | None) -> ExecResult:
-        """One call of the persistent interpreter, after those queued before it; the disk quota holds as for a run."""
+    def _before_call(self, timeout_s: float, files: dict[str, bytes] | None) -> None:
+        """What every call checks and does first: the sandbox is open, the limit is a positive number of seconds,
+        and ``files`` (paths relative to the workspace) are written."""
         if self._closed:
             raise RuntimeError("this sandbox is closed")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
-        workspace = self._ensure_workspace()
-        self._put_files(workspace, {self._relative(path): data.encode() if isinstance(data, str) else data
-                                    for path, data in (files or {}).items()})
+        self._put_files(self._ensure_workspace(), {self._relative(path): data.encode() if isinstance(data, str)
+                                                   else data for path, data in (files or {}).items()})
+
+    async def _warm_call(self, request: dict, timeout_s: float, files: dict[str, bytes] | None) -> ExecResult:
+        """One call of the persistent interpreter, after those queued before it; the disk quota holds as for a run."""
+        self._before_call(timeout_s, files)
         async with self._call_lock():
             started = time.monotonic()
             interpreter = await self._ensure_interpreter()

@@ -116,6 +116,14 @@ def _remove_abandoned_temp_dirs() -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def describe_capacity(ray: Any, bundle: dict[str, float]) -> str:
     """What the cluster has of each resource in ``bundle``: in all, free now, and per live node."""
     total, free = ray.cluster_resources(), ray.available_resources()

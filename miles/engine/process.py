@@ -18,25 +18,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import socket
 from typing import Any
 
+from miles.cluster import cores
 from miles.engine.launchers import MilesServerLauncher
 from miles.engine.router import EngineGone, Router
 from miles.errors import RunError
 
-__all__ = ["cores", "separate_process", "start_engine_process"]
+__all__ = ["separate_process", "start_engine_process"]
 
 log = logging.getLogger(__name__)
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def separate_process(setting: str | bool, *, engine: str, streaming: bool,

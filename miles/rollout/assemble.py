@@ -21,22 +21,24 @@ from miles.agentic.sandboxes.pool import SandboxPool
 from miles.agentic.sandboxes.remote import RemoteSandbox
 from miles.config.validate import resolve_tool, split_node
 from miles.errors import RunError
-from miles.engine.process import cores, separate_process, start_engine_process
+from miles.cluster import cores
+from miles.engine.process import separate_process, start_engine_process
 from miles.hookspecs import (BackgroundEngine, CheckedSandbox, ClosingRolloutFn, DescribedSandbox,
                              DiskTransportSwitch, HostedSandbox, MemorySaverLauncher, ProtocolLauncher,
                              RoutedExpertsLauncher, is_server_launcher, takes_option)
 from miles.models.hf import context_length
 from miles.rollout.context import RolloutContext
 from miles.rollout.plane import RolloutPlane
-from miles.train.process_backend import separate_trainer
 
 __all__ = ["rollout_plane", "engine_launcher", "rollout_context", "close_with_run", "trajectories_at_once"]
 
 
 def rollout_plane(p: Any, model_path: str, transport: Any, ray_cluster: Callable[[], Any],
-                  closing: ExitStack) -> RolloutPlane:
+                  closing: ExitStack, trainer_apart: bool = False) -> RolloutPlane:
     """One in-process engine, or ``num_engines`` engines served over HTTP by Ray actors behind a router, each
-    loading ``model_path``; ``transport`` catches up an engine that comes back. ``closing`` stops them."""
+    loading ``model_path``; ``transport`` catches up an engine that comes back. ``closing`` stops them.
+    ``trainer_apart``: the trainer has a process of its own (``backend.separate_process``), so the in-process
+    engine stays here under ``rollout.engine.separate_process: auto``."""
     engine_args, extra = split_node(p.config.rollout.engine, "rollout.engine")
     if p.config.rollout.true_on_policy:  # the engine answers with the log-probs the trainer computes, bit for bit
         engine_args = {**engine_args, "exact_logprobs": True}
@@ -49,7 +51,7 @@ def rollout_plane(p: Any, model_path: str, transport: Any, ray_cluster: Callable
     streaming = p.config.run.schedule != "sync"
     if num_engines == 0 and not p.config.cluster.local_mode:
         own, why_not = separate_process(extra["separate_process"], engine=engine_args["name"], streaming=streaming,
-                                        trainer_apart=separate_trainer(p.config, p.registry))
+                                        trainer_apart=trainer_apart)
         if own:
             return _engine_process_plane(p, model_path, engine_args, transport, closing)
         if why_not:

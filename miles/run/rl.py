@@ -24,6 +24,7 @@ from miles.run.checkpoint import model_signature, save_checkpoint
 from miles.run.progress import progress
 from miles.run.state import RunState, frozen_heap, rewind_loggers
 from miles.train.assemble import rl_backend
+from miles.train.process_backend import separate_trainer
 from miles.train.torch_backend import rng_state, set_rng_state
 
 __all__ = ["RLPhase"]
@@ -41,7 +42,9 @@ class RLPhase:
         self.transport = p.build("weight_transport", "rollout.weight_sync")
         if isinstance(self.transport, ClosingTransport):  # e.g. shm's file under /dev/shm
             run.closing.callback(self.transport.close)
-        self.plane = plane = rollout_plane(p, model_path, self.transport, run.ray_cluster, run.closing)
+        self.plane = plane = rollout_plane(p, model_path, self.transport, run.ray_cluster, run.closing,
+                                           trainer_apart=not run_cfg.rollout_only and separate_trainer(config,
+                                                                                                       p.registry))
         # engines as Ray actors (not the one engine a child process serves: rollout.engine.separate_process)
         on_ray = plane.remote and split_node(config.rollout.engine, "rollout.engine")[1]["num_engines"] > 0
         self.backend = None if run_cfg.rollout_only else rl_backend(p, run.ray_cluster, run.closing, model_path,

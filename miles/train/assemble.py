@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from miles.config.validate import component_node, split_node
-from miles.engine.process import cores
+from miles.cluster import cores
 from miles.hookspecs import NeedsValues, uses_ray
 from miles.train.process_backend import ProcessBackend, separate_trainer
 

@@ -39,7 +39,7 @@ def separate_trainer(config: Any, registry: Any) -> bool:
     on two cores or more; ``true``: always; never under ``cluster.local_mode`` (every plane in this process) nor
     for a backend that trains in Ray workers of its own."""
     from miles.config.schema import split_node
-    from miles.engine.process import cores
+    from miles.cluster import cores
     from miles.hookspecs import uses_ray
 
     node, extra = split_node(config.backend, "backend")

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -24,7 +25,7 @@ from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt
 from miles.interrupts import time_limit, with_time_limit
 from miles.rollout.generate import make_groups, run_rollouts
-from miles.rewards import math_answer
+from miles.rewards import math_answer, scoring
 from miles.rewards.scoring import HUNG_AFTER, score_samples, score_samples_async
 from miles.rollout.single_turn import single_turn
 from miles.run.runner import prepare, train
@@ -109,6 +110,43 @@ def test_limited_plain_rewards_run_in_daemon_threads_unlimited_ones_in_the_calle
     score_samples([make_sample()], with_time_limit(reward, 5))
     assert seen[0] is threading.main_thread()
     assert seen[1] is not threading.main_thread() and seen[1].daemon
+
+
+def test_limited_plain_rewards_reuse_idle_threads_and_a_hung_one_keeps_only_its_own(release):
+    """Each scoring job takes a daemon thread idle since its last job (starting one costs milliseconds under a busy
+    interpreter); a thread in a hung call is never handed another job, and serves again once the call returns."""
+    seen = []
+
+    def reward(sample):
+        seen.append(threading.current_thread())
+        if sample.label == "hang":
+            release.wait()
+        return 1.0
+
+    def idle_threads(count):  # wait until ``count`` threads wait for work (a job's thread goes back after it)
+        deadline = time.monotonic() + 60
+        while len(scoring._idle) < count:
+            assert time.monotonic() < deadline, "a reward thread never went back to waiting for work"
+            time.sleep(0.001)
+
+    limited = with_time_limit(reward, 0.5)
+    score_samples([make_sample("1", "1")], limited)
+    idle_threads(1)
+    before, threads = len(scoring._idle), set(threading.enumerate())
+    score_samples([make_sample("1", "1")], limited)
+    assert seen[1] in threads and seen[1].daemon  # a thread back from its last job took this one: none started
+    assert set(threading.enumerate()) == threads
+    idle_threads(before)
+    hung = [make_sample("1", "hang")]
+    score_samples(hung, limited)
+    assert hung[0].reason == timed_out("reward") and seen[2].is_alive()
+    assert len(scoring._idle) == before - 1  # the hung call's thread is not waiting for work
+    score_samples([make_sample("1", "1")], limited)
+    assert seen[3] is not seen[2]
+    idle_threads(before - 1)
+    release.set()
+    idle_threads(before)  # the hung call returned: its thread waits for work again
+    assert seen[2].is_alive()
 
 
 def test_hung_rollout_fn_fails_its_sample():

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from miles.hookspecs import NeedsLabel
 from miles.registry import Registry, nested_nodes
 
 __all__ = ["LabelNeed", "declared_label_types", "describe_types", "is_empty_label", "label_need", "label_problem",
@@ -43,7 +42,7 @@ def declared_label_types(reward: Any) -> tuple[type, ...] | None:
     """The ``label_types`` a reward (a function, class or instance, a ``functools.partial`` of one) declares;
     None when it declares none (it does not read the label)."""
     while True:
-        if isinstance(reward, NeedsLabel):
+        if hasattr(reward, "label_types"):  # isinstance(reward, NeedsLabel), without a protocol check's cost
             return tuple(reward.label_types)
         if not isinstance(reward, functools.partial):
             return None

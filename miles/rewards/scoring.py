@@ -19,6 +19,7 @@ import asyncio
 import functools
 import inspect
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -137,7 +138,7 @@ async def _score_plain_limited(samples: list[Sample], reward_fn: Callable, timeo
                     samples = todo[i + 1:]
                     break
                 value, error = outcome
-                awaitable = error is None and inspect.isawaitable(value)
+                awaitable = error is None and _awaitable(value)
                 if awaitable:
                     try:
                         value = await within(timeout_s, value)
@@ -175,7 +176,7 @@ class _PlainCalls:
         self._waiter: asyncio.Future | None = None
         self._abandoned = False
         self._awaited = threading.Semaphore(0)
-        threading.Thread(target=self._work, args=(reward_fn, samples), name="miles-reward", daemon=True).start()
+        _in_daemon(functools.partial(self._work, reward_fn, samples))
 
     def _work(self, reward_fn: Callable, samples: list[Sample]) -> None:
         for n, sample in enumerate(samples):
@@ -195,7 +196,7 @@ class _PlainCalls:
                     self._loop.call_soon_threadsafe(_wake, waiter)
                 except RuntimeError:  # the event loop is closed: nobody waits any more
                     return
-            if inspect.isawaitable(outcome[0]):
+            if _awaitable(outcome[0]):
                 self._awaited.acquire()
 
     async def result(self, i: int, timeout_s: float) -> tuple[Any, Exception | None] | None:
@@ -292,5 +293,38 @@ async def _in_daemon_thread(fn: Callable, arg: Any) -> Any:
         except RuntimeError:  # the event loop is closed: nobody waits any more
             pass
 
-    threading.Thread(target=work, name="miles-reward", daemon=True).start()
+    _in_daemon(work)
     return await done
+
+
+def _awaitable(value: Any) -> bool:
+    """``inspect.isawaitable``, without its abstract-class check for the plain values most rewards return."""
+    return type(value) not in (float, int, bool, dict) and inspect.isawaitable(value)
+
+
+_idle: list[queue.SimpleQueue] = []  # the job queues of daemon threads waiting for work
+_idle_lock = threading.Lock()
+
+
+def _in_daemon(job: Callable[[], None]) -> None:
+    """Run ``job`` on a daemon thread: one that waits idle since its last job, else a new one. A thread goes back
+    to waiting once its job returns, so a job stuck in a hung call holds only its own thread. (Starting a thread
+    per job waits for it to start, which under a busy interpreter lock costs milliseconds.)"""
+    with _idle_lock:
+        jobs = _idle.pop() if _idle else None
+    if jobs is None:
+        jobs = queue.SimpleQueue()
+        threading.Thread(target=_serve_jobs, args=(jobs,), name="miles-reward", daemon=True).start()
+    jobs.put(job)
+
+
+def _serve_jobs(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        try:
+            job()
+        except BaseException:  # noqa: BLE001 - a job reports its own failures; the thread must go on serving
+            pass
+        del job  # nothing of the last job is kept alive while the thread waits
+        with _idle_lock:
+            _idle.append(jobs)

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from miles.errors import DataError
+from miles.models.images import MAX_PIXELS, ImageProblem, image_refs, load_image
 from miles.rewards.labels import LabelNeed, is_empty_label, label_problem, show_label
 
-__all__ = ["Prompt", "PromptSource", "Rows", "check_labels", "check_unknown_tokens", "encode_prompt", "encode_rows",
-           "read_rows", "unknown_token_id", "where_in_file"]
+__all__ = ["Prompt", "PromptSource", "Rows", "check_images", "check_labels", "check_unknown_tokens", "encode_prompt",
+           "encode_rows", "read_rows", "unknown_token_id", "where_in_file"]
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -72,7 +73,13 @@ def read_rows(path: str | Path, prompt_key: str, label_key: str | None) -> Rows:
                 f"{', '.join(columns)}. Set {what} to the column that holds it."
             )
     _check_prompts_present(path, raw, lines, prompt_key)
-    return Rows(({column: row.get(column) for column in columns} for row in raw), lines)
+    rows = Rows(({column: row.get(column) for column in columns} for row in raw), lines)
+    if holding := check_images(rows, path, prompt_key):
+        first = next(line for row, line in zip(rows, lines) if image_refs(row[prompt_key]))
+        raise DataError(f"data file {str(path)!r}, line {first}: the prompt holds images ({holding} prompt(s) of the "
+                        f"file do), and Miles trains text-only models so far: vision-language models are not "
+                        f"supported yet. Leave the image parts out of data.prompt_key's messages")
+    return rows
 
 
 def _check_prompts_present(path: Path, rows: Sequence[dict[str, Any]], lines: Sequence[int], prompt_key: str) -> None:
@@ -195,6 +202,26 @@ def check_labels(prompts: Sequence[Prompt], path: str | Path, label_key: str, ne
         raise DataError(
             f"data file {path!r}, {where_in_file(path, first)}: {need.subject} cannot use its {label_key!r}: "
             f"{problem}{f' ({_places(path, also)} too)' if also else ''}")
+
+
+def check_images(rows: Rows, path: str | Path, prompt_key: str, max_pixels: int = MAX_PIXELS) -> int:
+    """Every image the rows' prompts name (:func:`miles.models.images.image_refs`) is read whole and fits the rules
+    of :func:`miles.models.images.load_image`; a :class:`DataError` names the file, the 1-based line and the image
+    of every bad one (the first 5). Returns how many prompts hold images."""
+    problems, holding = [], 0
+    for row, line in zip(rows, rows.lines):
+        refs = image_refs(row.get(prompt_key))
+        holding += bool(refs)
+        for number, ref in enumerate(refs, 1):
+            try:
+                load_image(ref, Path(path).parent, max_pixels=max_pixels)
+            except ImageProblem as exc:
+                problems.append(f"line {line}, image {number} of the prompt: {exc}")
+    if problems:
+        more = f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise DataError(f"data file {str(path)!r}: {len(problems)} image(s) cannot be read:\n  "
+                        + "\n  ".join(problems[:5]) + more)
+    return holding
 
 
 def unknown_token_id(tokenizer: Any) -> int | None:

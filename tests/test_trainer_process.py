@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import miles
-from miles.errors import ConfigError, RunError
+from miles.errors import ConfigError, DataError, RunError
 from miles.run.runner import prepare, train
 from miles.train.torch_backend import TorchBackend
 
@@ -138,6 +138,17 @@ def test_the_child_trains_exactly_what_the_in_process_trainer_trains(tmp_path):
     assert rows_here == rows_child
     assert weights_here.keys() == weights_child.keys()
     assert all(torch.equal(weights_here[k], weights_child[k]) for k in weights_here)
+
+
+def test_a_run_that_fails_its_checks_leaves_no_trainer_behind(tmp_path):
+    """The trainer's process starts before the run's checks (its start-up overlaps them); a check that fails ends
+    it, and the run directory is not made."""
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n{"question": "2+2="}\n')
+    p = quickstart(tmp_path / "run", "run.steps=2", "run.schedule=async", "backend.separate_process=true",
+                   f"data.train_path={tmp_path / 'data.jsonl'}", "data.generator=null")
+    with pytest.raises(DataError, match="line 2 has no 'prompt'"):
+        train(p)
+    assert trainers() == [] and not (tmp_path / "run").exists()
 
 
 def test_a_failure_in_the_child_reaches_the_run_with_its_type_and_message(tmp_path, capsys):

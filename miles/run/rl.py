@@ -48,7 +48,8 @@ class RLPhase:
         # engines as Ray actors (not the one engine a child process serves: rollout.engine.separate_process)
         on_ray = plane.remote and split_node(config.rollout.engine, "rollout.engine")[1]["num_engines"] > 0
         self.backend = None if run_cfg.rollout_only else rl_backend(p, run.ray_cluster, run.closing, model_path,
-                                                                    run.seed, remote=on_ray)
+                                                                    run.seed, remote=on_ray,
+                                                                    process=run.trainer_process)
         self.ctx = rollout_context(p, plane, run.tokenizer, model_path, run.chat_format, run.seed, run.run_dir.name,
                                    run.closing, return_routed_experts=config.rollout.return_routed_experts)
         writer = RolloutWriter(run.run_dir, model_path, run.pad_token_id) if run_cfg.save_rollouts else None

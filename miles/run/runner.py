@@ -31,7 +31,7 @@ from miles.run.preflight import Staged, batch_arithmetic, chat_format, eval_inpu
 from miles.run.progress import progress
 from miles.run.rl import RLPhase
 from miles.run.state import RunState, start_loggers
-from miles.train.assemble import build_backend
+from miles.train.assemble import build_backend, start_trainer
 
 __all__ = ["Prepared", "prepare", "train", "evaluate_model"]
 
@@ -114,14 +114,18 @@ def train(p: Prepared) -> dict[str, Any]:
     """
     run_cfg, started = p.config.run, time.perf_counter()
     stack = plugin_stack(p.pm, p.registry)
-    with RunDirLock(Path(run_cfg.dir)) as lock:
+    with RunDirLock(Path(run_cfg.dir)) as lock, ExitStack() as trainer:
+        process = start_trainer(p)  # it starts up while the checks and the SFT phase run
+        if process is not None:
+            trainer.callback(process.stop)  # never used (a check failed): ended here
         staged = preflight(p, stack)
         staged.commit(overwrite=bool(run_cfg.overwrite))
         lock.keep()
-        return _train(p, staged, stack, started)
+        return _train(p, staged, stack, started, process)
 
 
-def _train(p: Prepared, staged: Staged, stack: list[dict[str, Any]], started: float) -> dict[str, Any]:
+def _train(p: Prepared, staged: Staged, stack: list[dict[str, Any]], started: float,
+           trainer_process: Any = None) -> dict[str, Any]:
     config, run_cfg = p.config, p.config.run
     seed = int(run_cfg.seed)
     run_dir, model_path, tokenizer = staged.run_dir, staged.model_path, staged.tokenizer
@@ -143,6 +147,7 @@ def _train(p: Prepared, staged: Staged, stack: list[dict[str, Any]], started: fl
             summary={"run_dir": str(run_dir), "plugins": stack, **{k: v for k, v in staged.data_stats.items() if v}},
         )
         run.timed("setup", started)
+        run.trainer_process = trainer_process
         if run.resume_from is not None:
             print(f"run.resume: continuing from {run.resume_from.path} ({run.resume_from.step} steps done)",
                   file=sys.stderr)

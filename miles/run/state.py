@@ -40,6 +40,7 @@ class RunState:
     base_model: str = ""  # the model the run starts from, before any SFT; its architecture is checked on resume
     resume_from: Checkpoint | None = None
     chat_format: Any = None  # miles.agentic.chat_format.BoundFormat (None: no format fits the tokenizer)
+    trainer_process: Any = None  # miles.train.process_backend.TrainerProcess, started before the SFT phase
     times: dict[str, float] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
 

@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 from miles.config.validate import component_node, split_node
 from miles.cluster import cores
 from miles.hookspecs import NeedsValues, uses_ray
-from miles.train.process_backend import ProcessBackend, separate_trainer
+from miles.train.process_backend import ProcessBackend, TrainerProcess, separate_trainer
 
-__all__ = ["build_backend", "setup_backend", "rl_backend"]
+__all__ = ["build_backend", "setup_backend", "rl_backend", "start_trainer"]
 
 
 def build_backend(p: Any, ray_cluster: Callable[[], Any] | None = None, *, where: str = "backend",
@@ -42,17 +42,31 @@ def setup_backend(p: Any, backend: Any, model_path: str, seed: int) -> None:
                   **({"critic_model_path": model_path} if needs_values else {}))
 
 
+def trainer_threads(config: Any) -> int:
+    """Torch threads of a trainer in a process of its own: ``run.torch_threads``, else half the cores."""
+    return config.run.torch_threads if config.run.torch_threads > 0 else max(1, cores() // 2)
+
+
+def start_trainer(p: Any) -> TrainerProcess | None:
+    """The trainer's process, started now when the RL phase will train in one (``backend.separate_process``), so
+    that its start-up overlaps what comes before (the SFT phase, the engine's start); None otherwise."""
+    config = p.config
+    if config.run.steps <= 0 or config.run.rollout_only or not separate_trainer(config, p.registry):
+        return None
+    return TrainerProcess(trainer_threads(config))
+
+
 def rl_backend(p: Any, ray_cluster: Callable[[], Any], closing: Any, model_path: str, seed: int,
-               remote: bool) -> Any:
+               remote: bool, process: TrainerProcess | None = None) -> Any:
     """The policy's backend for RL, set up from ``model_path``; with engines on Ray (``remote``) and the sync
     schedule, a backend that does not use Ray itself trains in an actor; with ``backend.separate_process``, in a
-    child process (:mod:`miles.train.process_backend`). ``closing`` shuts it down."""
+    child process (:mod:`miles.train.process_backend`; ``process``, when :func:`start_trainer` started it).
+    ``closing`` shuts it down."""
     config = p.config
     overrides = {"exact_logprobs": True} if config.rollout.true_on_policy else {}  # as the engine computes them
     backend = build_backend(p, ray_cluster, **overrides)
     if separate_trainer(config, p.registry):
-        threads = config.run.torch_threads if config.run.torch_threads > 0 else max(1, cores() // 2)
-        backend = ProcessBackend(backend, threads=threads)
+        backend = ProcessBackend(backend, threads=trainer_threads(config), process=process)
         closing.callback(backend.shutdown)
         print(f"backend.separate_process: the trainer runs in process {backend.pid}", file=sys.stderr)
         setup_backend(p, backend, model_path, seed)

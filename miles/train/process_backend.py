@@ -27,9 +27,10 @@ from typing import Any
 from miles.errors import RunError
 from miles.train.backend import BackendProxy
 
-__all__ = ["ProcessBackend", "separate_trainer"]
+__all__ = ["ProcessBackend", "TrainerProcess", "separate_trainer"]
 
 _PR_SET_PDEATHSIG = 1
+_BACKEND = "__backend__"  # the first message: the backend the child trains
 
 
 def separate_trainer(config: Any, registry: Any) -> bool:
@@ -79,8 +80,9 @@ def _dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _serve(conn: Any, backend: Any, threads: int, parent: int) -> None:
-    """The child: runs each call it receives on ``backend`` and sends back its result or its exception."""
+def _serve(conn: Any, threads: int, parent: int) -> None:
+    """The child: imports what training needs while it waits for its backend (the first message), then runs each
+    call it receives on it and sends back its result or its exception."""
     import ctypes
 
     import torch
@@ -90,13 +92,19 @@ def _serve(conn: Any, backend: Any, threads: int, parent: int) -> None:
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     torch.set_num_threads(threads)
+    import miles.train.torch_backend  # noqa: F401 - the builtin backend, imported before it is needed
+    backend = None
     while True:
         try:
             method, args, kwargs = pickle.loads(conn.recv_bytes())
         except EOFError:
             return
         try:
-            reply = ("ok", getattr(backend, method)(*args, **kwargs))
+            if method == _BACKEND:
+                backend = args[0]
+                reply: tuple = ("ok", None)
+            else:
+                reply = ("ok", getattr(backend, method)(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             reply = ("error", exc, traceback.format_exc())
         try:
@@ -108,17 +116,41 @@ def _serve(conn: Any, backend: Any, threads: int, parent: int) -> None:
             return
 
 
+class TrainerProcess:
+    """A child process started ahead of its backend (``multiprocessing``'s spawn), importing torch and the builtin
+    backend meanwhile: a run starts it before its SFT phase, so that its start-up (seconds) overlaps it. ``stop``
+    ends one that was never used."""
+
+    def __init__(self, threads: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.proc = context.Process(target=_serve, args=(child, threads, os.getpid()), name="miles-trainer",
+                                    daemon=True)
+        self.proc.start()
+        child.close()
+        self.taken = False
+
+    def stop(self) -> None:
+        if not self.taken and self.proc.is_alive():
+            self.conn.close()  # the child reads EOF and returns
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+
+
 class ProcessBackend(BackendProxy):
     """The driver's view of a backend training in a child process (the :class:`miles.train.TrainBackend`
     contract). Calls are answered in order, one at a time."""
 
-    def __init__(self, backend: Any, *, threads: int) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self._proc = context.Process(target=_serve, args=(child, backend, threads, os.getpid()),
-                                     name="miles-trainer", daemon=True)
-        self._proc.start()
-        child.close()
+    def __init__(self, backend: Any, *, threads: int, process: TrainerProcess | None = None) -> None:
+        """``backend`` trains in ``process`` (one started earlier with :class:`TrainerProcess`), else in a process
+        started now. It is sent with the first call."""
+        if process is None or process.taken or not process.proc.is_alive():
+            process = TrainerProcess(threads)
+        process.taken = True
+        self._conn, self._proc = process.conn, process.proc
+        self._backend: Any = backend  # sent with the first call, whose answer comes after the child took it
         self._closed = self._interrupted = False
 
     exports_copies = True  # export_weights answers with tensors of its own: a push may keep them as they are
@@ -131,8 +163,15 @@ class ProcessBackend(BackendProxy):
         if self._closed:
             raise RunError(f"the training process was shut down; cannot run {method}")
         try:
+            backend, self._backend = self._backend, None
+            if backend is not None:
+                self._conn.send_bytes(_dumps((_BACKEND, (backend,), {})))
             self._conn.send_bytes(_dumps((method, args, kwargs)))
-            reply = pickle.loads(self._conn.recv_bytes())
+            if backend is not None and (reply := pickle.loads(self._conn.recv_bytes()))[0] != "ok":
+                self._interrupted = True  # the call's own answer is still to come: nothing more is read
+                method = "unpickling the backend"
+            else:
+                reply = pickle.loads(self._conn.recv_bytes())
         except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
             self._proc.join(5)
             raise RunError(f"the training process died during {method} (exit code {self._proc.exitcode}); "

@@ -66,6 +66,36 @@ def test_async_with_staleness_0_reproduces_the_synchronous_run(tmp_path):
     assert all(r["async/staleness_max"] == 0 for r in metrics_of(tmp_path / "async"))
 
 
+class Tagged:
+    """An engine whose requests carry the request id ``rid`` (None: the engine's own)."""
+
+    def __init__(self, engine, rid):
+        self.engine, self.rid = engine, rid
+
+    async def generate(self, *args, **kwargs):
+        return await self.engine.generate(*args, rid=self.rid, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def hold_after_two_tokens(monkeypatch, recorder):
+    """The batcher pauses itself, in its own thread between two steps, as soon as a request of the second batch
+    holds 2 tokens (no other thread races it), and tells ``recorder``."""
+    from miles.engine.batcher import ContinuousBatcher
+
+    iteration = ContinuousBatcher._iteration
+
+    def then_hold(self):
+        iteration(self)
+        if not recorder.second_batch_held.is_set() and any(
+                str(r.rid).startswith("second") and len(r.output_ids) >= 2 for r in self._rows):
+            self.pause()
+            recorder.second_batch_held.set()
+
+    monkeypatch.setattr(ContinuousBatcher, "_iteration", then_hold)
+
+
 class Recorder:
     """Records what each step trains; with ``seed``, rollouts and training take random times."""
 
@@ -77,6 +107,7 @@ class Recorder:
         self.batch_rewards = []  # per step: the mean reward of the batch trained
         self.engine = None
         self.hold_second_batch = hold_second_batch
+        self.second_batch_held = threading.Event()
 
     @miles.hookimpl
     def miles_register_rollout_fns(self, register):
@@ -92,7 +123,9 @@ class Recorder:
             self.engine = getattr(ctx.engine, "engine", ctx.engine)
             params = {**ctx.sampling_params, "max_new_tokens": 24, "ignore_eos": True}
             from dataclasses import replace
-            return await single_turn(sample, replace(ctx, sampling_params=params))
+            engine = Tagged(ctx.engine, f"second-{sample.group_index}-{sample.index}" if sample.group_index >= 4
+                            else None)  # the second batch's requests, as the batcher sees them
+            return await single_turn(sample, replace(ctx, sampling_params=params, engine=engine))
 
         register("jittery_single_turn", jittery_single_turn)
         register("long_single_turn", long_single_turn)
@@ -107,14 +140,10 @@ class Recorder:
         if self.seeded:
             time.sleep(self.rng.random() * 0.03)  # so do training times
         if self.hold_second_batch and step == 0:
-            # The next batch is generating: hold the engine once some of its requests hold tokens, so that the
-            # weight update after this step lands in the middle of their generation, whatever the timing.
-            engine = self.engine
-            deadline = time.monotonic() + 60
-            while not any(len(r.output_ids) >= 2 for r in list(engine.batcher._rows)):
-                assert time.monotonic() < deadline, "the second batch never started generating"
-                time.sleep(0.001)
-            engine.pause()
+            # The next batch is generating: the engine pauses itself (hold_after_two_tokens) once some of its
+            # requests hold 2 tokens, so that the weight update after this step lands in the middle of their
+            # generation, whatever the timing. The update waits for that.
+            assert self.second_batch_held.wait(60), "the second batch never started generating"
 
     @miles.hookimpl
     def miles_train_step_end(self, step, metrics):
@@ -207,8 +236,9 @@ def test_one_step_off_waits_for_the_last_push_before_the_next_step(tmp_path, mon
 
 @pytest.mark.slow
 @pytest.mark.parametrize("update", ["abort", "in_place"])
-def test_an_update_that_lands_mid_generation_keeps_each_token_s_version(tmp_path, update):
+def test_an_update_that_lands_mid_generation_keeps_each_token_s_version(tmp_path, monkeypatch, update):
     recorder = Recorder(hold_second_batch=True)
+    hold_after_two_tokens(monkeypatch, recorder)
     train(prepare("configs/quickstart.yaml", [
         f"run.dir={tmp_path}", *QUICK, "run.steps=3", "run.schedule=one_step_off", "rollout.fn.name=long_single_turn",
         f"rollout.async.update={update}", "rollout.mask_off_policy=true",

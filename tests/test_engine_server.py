@@ -93,6 +93,30 @@ def start_engine(model_dir, log_path, *args, env=None):
     return proc, base
 
 
+def start_router(worker_urls, log_path, *args):
+    """SGLang's router (``sglang-router``) in front of ``worker_urls`` on a free port, its output in ``log_path``;
+    returns (process, base URL) once it counts every worker healthy."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--host",
+             "127.0.0.1", "--port", str(port), "--log-level", "warn", *args],
+            env={**os.environ, "NO_COLOR": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def all_workers_ready():
+        if router.poll() is not None:
+            pytest.fail(f"sglang-router exited: {open(log_path).read()}")
+        try:
+            status, listing = call(base, "/workers")
+        except OSError:
+            return False
+        return status == 200 and sum(w["is_healthy"] for w in listing["workers"]) == len(worker_urls)
+
+    wait_for(all_workers_ready, "sglang-router to register every engine")
+    return router, base
+
+
 @pytest.fixture(scope="module")
 def engine_process(tiny_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("engine") / "engine.log"

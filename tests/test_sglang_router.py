@@ -4,15 +4,12 @@ The router probes each engine (HTTP/2 preface, ``/server_info``, ``/model_info``
 ``/generate`` with SGLang's whole request schema; the engines must answer it all, quietly.
 """
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from test_engine_server import call, free_port, reference_logprobs, start_engine, wait_for
+from test_engine_server import call, reference_logprobs, start_engine, start_router
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the test extra: pip install -e '.[test]'")
 
@@ -25,30 +22,15 @@ def routed(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("sglang-router")
     engines = [start_engine(tiny_model_dir, logs / f"engine{i}.log") for i in range(2)]
     urls = [base for _, base in engines]
-    port = free_port()
-    with open(logs / "router.log", "w") as log:
-        router = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "127.0.0.1",
-             "--port", str(port), "--policy", "round_robin", "--log-level", "warn"],
-            env={**os.environ, "NO_COLOR": "1"}, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-
-    def both_workers_ready():
-        if router.poll() is not None:
-            pytest.fail(f"sglang-router exited: {(logs / 'router.log').read_text()}")
-        try:
-            status, listing = call(base, "/workers")
-        except OSError:
-            return False
-        return status == 200 and sum(w["is_healthy"] for w in listing["workers"]) == 2
-
+    processes = [p for p, _ in engines]
     try:
-        wait_for(both_workers_ready, "sglang-router to register both engines")
+        router, base = start_router(urls, logs / "router.log", "--policy", "round_robin")
+        processes.insert(0, router)
         yield base, urls, [logs / f"engine{i}.log" for i in range(2)]
     finally:
-        for proc in [router, *(p for p, _ in engines)]:
+        for proc in processes:
             proc.terminate()
-        for proc in [router, *(p for p, _ in engines)]:
+        for proc in processes:
             proc.wait(timeout=10)
 
 

@@ -42,7 +42,9 @@ class TokenizerConfig:
 
 @dataclass
 class ModelBuildConfig:
-    arch: str = key("qwen3", doc="`qwen3`, or `qwen3_moe` (every MLP a set of routed experts)")
+    arch: str = key("qwen3", doc="`qwen3`, `qwen3_moe` (every MLP a set of routed experts), or `qwen2_5_vl` "
+                                 "(a vision tower and multimodal RoPE; the tokenizer needs `<|vision_start|>`, "
+                                 "`<|image_pad|>`, `<|vision_end|>`)")
     hidden_size: int = key(64, doc="Hidden size")
     num_layers: int = key(2, doc="Decoder layers")
     num_heads: int = key(4, doc="Attention heads")
@@ -54,6 +56,12 @@ class ModelBuildConfig:
     num_experts_per_tok: int = key(2, doc="qwen3_moe: experts the router picks for each token (top-k)")
     moe_intermediate_size: int = key(128, doc="qwen3_moe: each expert's MLP width")
     norm_topk_prob: bool = key(True, doc="qwen3_moe: renormalise the chosen experts' gate weights to sum to 1")
+    vision_depth: int = key(2, ge=1, doc="qwen2_5_vl: blocks of the vision tower")
+    vision_hidden_size: int = key(32, ge=8, doc="qwen2_5_vl: the vision tower's width")
+    vision_num_heads: int = key(2, ge=1, doc="qwen2_5_vl: the vision tower's attention heads")
+    vision_patch_size: int = key(14, ge=2, doc="qwen2_5_vl: pixels per side of a patch; 2x2 patches make a token")
+    image_max_pixels: int = key(112 * 112, ge=64, doc="qwen2_5_vl: larger images are scaled down to this many "
+                                                      "pixels by the image processor (112x112: 16 tokens)")
 
 
 @dataclass

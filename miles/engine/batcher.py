@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from miles.engine.image_input import prefill_vision_inputs
 from miles.engine.kv_layout import left_pad, pack, past_block
 from miles.engine.prefix_cache import PrefixCache
 from miles.engine.request import Request, answer, clear_outputs, plain_answer
@@ -276,15 +277,15 @@ class ContinuousBatcher:
         of: list[int] = []
         index: dict[Any, int] = {}
         for i, (r, w) in enumerate(zip(requests, wanted)):
-            key = i if self.prefix_cache is None else tuple(r.prompt)
+            key = i if self.prefix_cache is None else tuple(r.cache_key)
             if key not in index:
                 index[key] = len(unique)
                 unique.append(r)
                 full.append(False)
             of.append(index[key])
             full[of[-1]] |= w
-        hits = [self.prefix_cache.match(r.prompt, len(r.prompt) - 1) if self.prefix_cache is not None and not f
-                else (0, None) for r, f in zip(unique, full)]
+        hits = [self._match(r) if self.prefix_cache is not None and not f else (0, None)
+                for r, f in zip(unique, full)]
         past = max(h for h, _ in hits)
         suffixes = [r.prompt[h:] for r, (h, _) in zip(unique, hits)]
         width = max(len(s) for s in suffixes)
@@ -293,9 +294,12 @@ class ContinuousBatcher:
                              for (h, _), s in zip(hits, suffixes)], device=self.device)
         cache = DynamicCache(past_block(hits, past)) if past else DynamicCache()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        vision = {}
+        if unique[0].positions is not None:  # a vision-language model: multimodal positions, images not held
+            positions, vision = prefill_vision_inputs(unique, [h for h, _ in hits], width, self.device)
         with self._routing(requests) as record:
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                                use_cache=True, logits_to_keep=0 if any(prompt_logprobs) else 1).logits
+                                use_cache=True, logits_to_keep=0 if any(prompt_logprobs) else 1, **vision).logits
         if record is not None:
             routed = record.routed(len(unique))
             for r, u in zip(requests, of):
@@ -308,16 +312,25 @@ class ContinuousBatcher:
             r.epoch = self._epoch
         if self.prefix_cache is not None:
             for u, r in enumerate(unique):
-                self._store(r.prompt, cache, u, mask[u])
+                self._store(r.cache_key, cache, u, mask[u])
             if past or len(unique) < len(requests):
                 mask = pack(cache, mask, of, max(len(r.prompt) for r in requests))
                 logits = logits[of]
         tokens = self._sample(logits[:, -1, :].float(), requests, settings)
-        next_pos = torch.tensor([len(r.prompt) for r in requests], device=self.device)
+        next_pos = torch.tensor([len(r.prompt) + r.delta for r in requests], device=self.device)
         self._merge(requests, cache, mask, next_pos, tokens, settings)
         self.stats["prefill_batches"] += 1
         self.stats["prefill_tokens_requested"] += sum(len(r.prompt) for r in requests)
         self.stats["prefill_tokens_computed"] += sum(len(s) for s in suffixes)
+
+    def _match(self, r: Request) -> tuple[int, torch.Tensor | None]:
+        """``r``'s longest held prefix short of its whole prompt, never ending inside an image (encoded whole)."""
+        key = r.cache_key
+        held, kv = self.prefix_cache.match(key, len(key) - 1)
+        for start, end in r.spans:
+            if start < held < end:
+                return self.prefix_cache.match(key, start)
+        return held, kv
 
     def _merge(self, requests: list[Request], cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
                tokens: torch.Tensor, settings: tuple[torch.Tensor, ...]) -> None:
@@ -433,7 +446,7 @@ class ContinuousBatcher:
             for i, r in zip(done, finished):
                 if r.epoch == self._epoch and r.finish["type"] in ("stop", "length") and len(r.output_ids) > 1:
                     try:  # the last token is not fed; a prefix not held costs a later prefill, nothing else
-                        self._store(r.prompt + r.output_ids[:-1], self._cache, i, self._mask[i])
+                        self._store(r.cache_key + r.output_ids[:-1], self._cache, i, self._mask[i])
                     except Exception:
                         _log.exception("holding the prefix of request %s failed", r.rid)
         try:

@@ -16,7 +16,7 @@ __all__ = ["generate_requests", "GENERATE_HONOURED", "GENERATE_IGNORED", "GENERA
 # SGLang's GenerateReqInput fields (sglang 0.5) and what the embedded engine does with each.
 GENERATE_HONOURED = frozenset({
     "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "return_text_in_logprobs", "return_entropy", "return_routed_experts",
+    "return_text_in_logprobs", "return_entropy", "return_routed_experts", "image_data",
 })
 GENERATE_IGNORED = frozenset({  # bookkeeping and routing hints: accepted whatever their value
     "model", "log_metrics", "no_logs", "priority", "routing_key", "conversation_id", "custom_labels",
@@ -28,7 +28,7 @@ GENERATE_OFF_ONLY = frozenset({  # features the engine lacks: accepted when null
     "routed_experts_start_len", "return_indexer_topk", "return_prompt_token_ids", "token_ids_logprob",
     "return_sampling_mask", "sampling_logprobs_mode", "return_flat_raw_top_logprobs",
     "return_flat_raw_output_top_logprobs", "lora_path", "lora_id", "custom_logit_processor", "session_id",
-    "session_params", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
+    "session_params", "input_embeds", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
     "use_audio_in_video", "video_config", "modalities", "watermark", "positional_embed_overrides",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
     "require_reasoning", "max_thinking_tokens", "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls",
@@ -68,12 +68,13 @@ def generate_requests(body: dict[str, Any], engine: LocalEngine) -> tuple[list[R
     shared = {"return_entropy": _flag(body, "return_entropy"),
               "return_text_in_logprobs": _flag(body, "return_text_in_logprobs")}
     per_prompt = zip(prompts, params, counts, each("rid", None), each("return_logprob", False),
-                     each("logprob_start_len", -1), each("top_logprobs_num", 0), each("return_routed_experts", False))
+                     each("logprob_start_len", -1), each("top_logprobs_num", 0), each("return_routed_experts", False),
+                     each("image_data", None))
     requests = []
-    for index, (prompt, sampling, n, rid, return_logprob, start, top, routed) in enumerate(per_prompt):
+    for index, (prompt, sampling, n, rid, return_logprob, start, top, routed, images) in enumerate(per_prompt):
         job = {"input_ids": prompt, "sampling_params": {k: v for k, v in sampling.items() if k != "n"},
                "rid": None if n > 1 else rid, "return_logprob": return_logprob, "logprob_start_len": start,
-               "top_logprobs_num": top, "return_routed_experts": routed, **shared}
+               "top_logprobs_num": top, "return_routed_experts": routed, "image_data": images, **shared}
         requests += [_element(batched, index, engine.prepare, **job) for _ in range(n)]  # prompt-major
     return requests, batched or len(requests) > len(prompts)
 

@@ -17,9 +17,11 @@ from typing import Any
 import torch
 
 from miles.engine.batcher import ContinuousBatcher
+from miles.engine.image_input import attach_images
 from miles.engine.request import Request
 from miles.engine.sampling import SamplingParams, shown
-from miles.models.hf import load_model, load_tokenizer
+from miles.models.hf import load_image_processor, load_model, load_tokenizer
+from miles.models.vision import vision_spec
 from miles.weights.delta import DeltaRefused, raw_bytes
 from miles.weights.lora import adapter_layers, adapter_problems, is_adapter_payload, merged_weight
 
@@ -88,7 +90,13 @@ class LocalEngine:
         self._lora_base = {}
         self.model.requires_grad_(False)
         self.tokenizer = load_tokenizer(path)
-        self.context_length = int(self.model.config.max_position_embeddings)
+        text = self.model.config.get_text_config()
+        self.context_length, self.vocab_size = int(text.max_position_embeddings), int(text.vocab_size)
+        self.vision = vision_spec(self.model.config)  # None: a text-only model
+        self.image_processor = load_image_processor(path) if self.vision is not None else None
+        if self.vision is not None and self.image_processor is None:
+            raise ValueError(f"{path}: a vision-language model needs its image processor "
+                             f"(preprocessor_config.json) in the model directory")
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if self.batcher is not None:
             self.batcher.close()
@@ -285,6 +293,7 @@ class LocalEngine:
         self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, return_logprob: bool = True,
         rid: str | None = None, *, logprob_start_len: int = -1, top_logprobs_num: int = 0,
         return_entropy: bool = False, return_text_in_logprobs: bool = False, return_routed_experts: bool = False,
+        image_data: Any = None,
     ) -> dict[str, Any]:
         """One request, answered like SGLang's ``POST /generate`` (a ValueError names a bad field).
 
@@ -295,17 +304,20 @@ class LocalEngine:
         ``return_routed_experts`` (MoE models) adds ``routed_experts``: SGLang's base64 of int32 expert ids
         ``[tokens, num_layers, top_k]`` of every token fed through the model (the prompt, then the outputs but the
         last; -1 for dense layers); such a request's prompt is computed whole, not from the prefix cache.
-        Cancelling the call aborts the request (see :meth:`run`).
+        ``image_data`` (vision-language models): the prompt's images, one per image span
+        (:mod:`miles.engine.image_input`). Cancelling the call aborts the request (see :meth:`run`).
         """
         return await self.run(self.prepare(
             input_ids, sampling_params, return_logprob, rid, logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, return_entropy=return_entropy,
-            return_text_in_logprobs=return_text_in_logprobs, return_routed_experts=return_routed_experts))
+            return_text_in_logprobs=return_text_in_logprobs, return_routed_experts=return_routed_experts,
+            image_data=image_data))
 
     def prepare(
         self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, return_logprob: bool = True,
         rid: str | None = None, *, logprob_start_len: int = -1, top_logprobs_num: int = 0,
         return_entropy: bool = False, return_text_in_logprobs: bool = False, return_routed_experts: bool = False,
+        image_data: Any = None,
     ) -> Request:
         """The request :meth:`generate` would make, checked but not scheduled: a batch is checked whole before
         any of it runs. A ValueError names the bad field; EngineUnavailable says why nothing can run now."""
@@ -315,7 +327,15 @@ class LocalEngine:
         if params.n != 1:
             raise ValueError("sampling_params.n: one call returns one sample; send n requests (or use the server)")
         self._check_prompt(input_ids)
-        vocab, start, top = self.model.config.vocab_size, logprob_start_len, top_logprobs_num
+        request = Request(list(input_ids), params, _unscheduled)
+        attach_images(request, image_data, self.vision, self.image_processor)  # may widen the prompt
+        if request.images and self.exact_logprobs:
+            raise ValueError("image_data: exact log-probs (rollout.true_on_policy) cover text-only prompts")
+        if len(request.prompt) >= self.context_length:
+            raise ValueError(f"input_ids: prompt of {len(request.prompt)} tokens (images widened) does not fit "
+                             f"the context of {self.context_length} tokens")
+        vocab, start, top = self.vocab_size, logprob_start_len, top_logprobs_num
+        input_ids = request.prompt
         checks = [
             ("rid", rid, rid is None or isinstance(rid, str), "a string"),
             ("return_logprob", return_logprob, isinstance(return_logprob, bool), "true or false"),
@@ -332,9 +352,9 @@ class LocalEngine:
         for name, value, ok, expected in checks:
             if not ok:
                 raise ValueError(f"{name}: expected {expected}, got {shown(value)}")
-        request = Request(list(input_ids), params, _unscheduled, return_logprob, logprob_start_len=start,
-                          top_logprobs_num=top, return_entropy=return_entropy,
-                          return_routed_experts=return_routed_experts, return_text_in_logprobs=return_text_in_logprobs)
+        request.return_logprob, request.logprob_start_len, request.top_logprobs_num = return_logprob, start, top
+        request.return_entropy, request.return_routed_experts = return_entropy, return_routed_experts
+        request.return_text_in_logprobs = return_text_in_logprobs
         if rid is not None:
             request.rid = rid
         return request
@@ -401,7 +421,7 @@ class LocalEngine:
     def _check_prompt(self, input_ids: list[int]) -> None:
         if not isinstance(input_ids, list) or not input_ids:
             raise ValueError("input_ids: expected a non-empty list of token ids")
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in input_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"input_ids: token ids must be integers in [0, {vocab}), got {shown(bad[:5])}")

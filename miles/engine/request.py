@@ -45,6 +45,18 @@ class Request:
     finish: dict[str, Any] | None = None
     aborted: bool = False
     epoch: int = 0  # the prefix cache's epoch at admission: K/V from older weights are never stored
+    # a vision-language model's prompt (miles.engine.image_input): its images in order, the [start, end) of each
+    # one's tokens, multimodal positions [3, len(prompt)] and the offset of generated tokens' positions, and the
+    # ids the prefix cache holds it under (the image tokens replaced by numbers drawn from the images)
+    images: list[Any] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    positions: torch.Tensor | None = None
+    delta: int = 0
+    key: list[int] | None = None
+
+    @property
+    def cache_key(self) -> list[int]:
+        return self.prompt if self.key is None else self.key
 
 
 def clear_outputs(r: Request) -> None:

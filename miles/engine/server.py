@@ -95,9 +95,9 @@ async def model_info(request: web.Request) -> web.Response:
     return json_answer({
         "model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True,
         "weight_version": engine.weight_version, "context_length": engine.context_length,
-        "vocab_size": config.vocab_size, "model_type": getattr(config, "model_type", None),
+        "vocab_size": engine.vocab_size, "model_type": getattr(config, "model_type", None),
         "architectures": getattr(config, "architectures", None), "preferred_sampling_params": None,
-        "has_image_understanding": False, "has_audio_understanding": False,
+        "has_image_understanding": engine.vision is not None, "has_audio_understanding": False,
     })
 
 

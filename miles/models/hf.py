@@ -128,7 +128,48 @@ def _qwen3_moe_config(vocab_size: int, tokenizer: PreTrainedTokenizerBase, build
                           num_experts_per_tok=build.num_experts_per_tok, norm_topk_prob=build.norm_topk_prob)
 
 
-_ARCHS = {"qwen3": _qwen3_config, "qwen3_moe": _qwen3_moe_config}
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")  # one special token each
+
+
+def _qwen2_5_vl_config(vocab_size: int, tokenizer: PreTrainedTokenizerBase, build) -> object:
+    """Qwen2.5-VL: the text decoder of ``build`` with multimodal RoPE, and a vision tower of ``vision_depth``
+    blocks whose ``vision_patch_size`` patches, merged 2x2, become one token each. The tokenizer must hold
+    :data:`VISION_TOKENS` (``model.tokenizer.special_tokens``)."""
+    from transformers import Qwen2_5_VLConfig
+
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in VISION_TOKENS if t not in vocab]
+    if missing:
+        raise ConfigError(f"model.build.arch qwen2_5_vl: the tokenizer lacks {', '.join(missing)}; add them to "
+                          f"model.tokenizer.special_tokens")
+    if build.head_dim * build.num_heads != build.hidden_size:
+        raise ConfigError(f"model.build: qwen2_5_vl takes head_dim = hidden_size / num_heads; got head_dim "
+                          f"{build.head_dim} with hidden_size {build.hidden_size} and {build.num_heads} heads")
+    half = build.head_dim // 2  # rotary frequencies, split over time, height and width
+    text = {**_shared_fields(vocab_size, tokenizer, build),
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]}}
+    text.pop("head_dim")
+    start, pad, end = (vocab[t] for t in VISION_TOKENS)
+    vision = dict(depth=build.vision_depth, hidden_size=build.vision_hidden_size,
+                  intermediate_size=2 * build.vision_hidden_size, num_heads=build.vision_num_heads,
+                  out_hidden_size=build.hidden_size, patch_size=build.vision_patch_size, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=4 * build.vision_patch_size,
+                  fullatt_block_indexes=[build.vision_depth - 1])
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=pad, video_token_id=pad,
+                            vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=True)
+
+
+_ARCHS = {"qwen3": _qwen3_config, "qwen3_moe": _qwen3_moe_config, "qwen2_5_vl": _qwen2_5_vl_config}
+
+
+def _model_class(config) -> type:
+    """The Auto class that loads ``config``'s model: vision-language models are image-text-to-text."""
+    if getattr(config, "vision_config", None) is not None:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def build_model_dir(build, tokenizer_cfg, out_dir: str | Path, seed: int) -> Path:
@@ -139,11 +180,37 @@ def build_model_dir(build, tokenizer_cfg, out_dir: str | Path, seed: int) -> Pat
     config = _ARCHS[build.arch](len(tokenizer), tokenizer, build)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = _model_class(config).from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     save_pretrained(model, tokenizer, out_dir)
+    if build.arch == "qwen2_5_vl":
+        _image_processor(build).save_pretrained(out_dir)
     return Path(out_dir)
+
+
+def _image_processor(build) -> object:
+    """The image processor of a built VLM: patches of ``vision_patch_size``, images scaled to at most
+    ``image_max_pixels`` (and at least one merged token's worth)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    side = 2 * build.vision_patch_size
+    return Qwen2VLImageProcessorPil(patch_size=build.vision_patch_size, merge_size=2, temporal_patch_size=2,
+                                    min_pixels=side * side, max_pixels=build.image_max_pixels)
+
+
+def load_image_processor(path: str | Path) -> object | None:
+    """The image processor saved beside a vision-language model (None for a text-only one)."""
+    if not (Path(path) / "preprocessor_config.json").is_file():
+        return None
+    from transformers import AutoImageProcessor
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # without torchvision, the PIL processor is used, with a warning
+    try:
+        return AutoImageProcessor.from_pretrained(path)
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def save_pretrained(
@@ -180,7 +247,7 @@ def save_state_dict(weights: dict[str, torch.Tensor], like: str | Path, out_dir:
     directory ``like``, without loading that model's weights."""
     config = AutoConfig.from_pretrained(_check_dir(like))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = _model_class(config).from_config(config, dtype=torch.float32)
     model.load_state_dict(weights, strict=False, assign=True)
     model.tie_weights()
     if any(p.is_meta for p in model.parameters()):
@@ -199,7 +266,8 @@ def _check_dir(path: str | Path) -> Path:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(_check_dir(path), dtype=dtype)
+    config = AutoConfig.from_pretrained(_check_dir(path))
+    return _model_class(config).from_pretrained(path, dtype=dtype)
 
 
 def load_critic(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -136,6 +136,8 @@ def _read(ref: Any, base_dir: str | Path | None) -> tuple[bytes, str]:
     if not path.is_absolute() and base_dir is not None:
         path = Path(base_dir) / path
     looks_like_path = len(ref) < 1024 and ("/" in ref or "." in ref[-6:] or not _BASE64.fullmatch(ref))
+    if looks_like_path and _BASE64.fullmatch(ref) and not path.exists() and _image_bytes(ref):
+        looks_like_path = False  # short base64 of an image file ('/' is a base64 character)
     try:
         if path.is_file():
             return path.read_bytes(), str(path)
@@ -143,8 +145,21 @@ def _read(ref: Any, base_dir: str | Path | None) -> tuple[bytes, str]:
         if looks_like_path:
             raise ImageProblem(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if looks_like_path:
-        raise ImageProblem(f"{path}: no such file (a relative path is taken from the data file's folder)")
+        where = "the data file's folder" if base_dir is not None else "the working directory"
+        raise ImageProblem(f"{path}: no such file (a relative path is taken from {where})")
     return _b64(ref, "base64 text"), f"base64 image ({len(ref)} characters)"
+
+
+_SIGNATURES = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM")  # PNG, JPEG, GIF, WebP, BMP
+
+
+def _image_bytes(text: str) -> bool:
+    """Whether ``text`` is base64 of bytes that start as an image file does."""
+    try:
+        head = base64.b64decode("".join(text.split())[:16], validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return head.startswith(_SIGNATURES)
 
 
 def _b64(text: str, what: str) -> bytes:

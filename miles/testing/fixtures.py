@@ -1,5 +1,6 @@
 """Helpers and pytest fixtures: the tiny models and tokenizers, registries, samples and batches, engines served
-for a test, and the ``chat_model_dir``, ``tiny_model_dir``, ``miles_registry`` and ``ray_cluster`` fixtures."""
+for a test, and the ``chat_model_dir``, ``tiny_model_dir``, ``vlm_model_dir``, ``miles_registry`` and ``ray_cluster``
+fixtures."""
 
 from __future__ import annotations
 
@@ -120,6 +121,22 @@ def build_chat_model(path: str | Path, seed: int = 0, **build: Any) -> Path:
     tokens and the shipped ``chatml_tools`` chat template."""
     build.setdefault("max_position_embeddings", 512)
     return build_tiny_model(path, CHAT_ALPHABET, seed, tokenizer=CHAT_TOKENIZER, **build)
+
+
+VISION_TOKENIZER = {"special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]}
+
+
+def build_vlm(path: str | Path, alphabet: str = CHAT_ALPHABET, seed: int = 0, **build: Any) -> Path:
+    """A tiny random-init Qwen2.5-VL model (a 2-block vision tower; 14-pixel patches, 2x2 merged: a 56x56 image
+    is 4 tokens, at most 112x112: 16) with a char tokenizer holding the vision tokens, and its image processor."""
+    build.setdefault("max_position_embeddings", 256)
+    return build_tiny_model(path, alphabet, seed, tokenizer=VISION_TOKENIZER, arch="qwen2_5_vl", **build)
+
+
+@fixture(scope="session")
+def vlm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny vision-language model (:func:`build_vlm`), built once per test session."""
+    return build_vlm(tmp_path_factory.mktemp("miles-vlm") / "model")
 
 
 @fixture(scope="session")

@@ -1,0 +1,142 @@
+"""What a Qwen2.5-VL-style model needs besides token ids: pixels in patches, image tokens, and 3D positions.
+
+A prompt names each image with a span ``<|vision_start|> <|image_pad|>... <|vision_end|>``. The image processor
+cuts an image into patches (``pixel_values [patches, channels * temporal * patch * patch]``) on a grid
+``(t, h, w)``; the vision tower merges ``merge x merge`` patches into one token, so the span holds
+``t * h * w / merge**2`` pad tokens, whose embeddings the tower's output replaces. A span may also hold a single
+pad token (as a chat template writes it): :func:`expand_images` widens it to the image's count, as SGLang does.
+
+Positions are Qwen2-VL's multimodal RoPE: three components (time, height, width). Text tokens carry the same
+value in all three, counting on from where the last token left off; an image's tokens carry their grid
+coordinates offset by the position where the image starts, and the text after an image resumes at that start
+plus the grid's larger side over ``merge``. So a prompt of ``L`` tokens ends at a position other than ``L - 1``:
+``delta`` is that difference, and each generated token at index ``i`` sits at ``i + delta`` in all three.
+
+Two prompts that differ only in their images have the same token ids. :func:`cache_key` gives the ids under which
+a prefix cache may hold a prompt: each image's pad tokens replaced by negative numbers drawn from the image's
+bytes, so equal text before different images never shares K/V past the image's first token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ProcessedImage", "VisionSpec", "cache_key", "expand_images", "image_spans", "mrope_positions",
+           "process_image", "vision_spec"]
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A vision-language model's image tokens and geometry, from its config."""
+
+    image_token_id: int
+    vision_start_id: int
+    vision_end_id: int
+    merge: int  # patches merged per side into one token
+
+
+def vision_spec(config: Any) -> VisionSpec | None:
+    """The spec of a Qwen2-VL-family config (Qwen2-VL, Qwen2.5-VL); None for a text-only model."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None or getattr(config, "image_token_id", None) is None:
+        return None
+    return VisionSpec(int(config.image_token_id), int(config.vision_start_token_id), int(config.vision_end_token_id),
+                      int(vision.spatial_merge_size))
+
+
+@dataclass(frozen=True, eq=False)
+class ProcessedImage:
+    """One image as the vision tower takes it."""
+
+    pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch], float32
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    digest: bytes  # of the pixels: equal images, equal digests
+
+    def tokens(self, merge: int) -> int:
+        t, h, w = self.grid
+        return t * h * w // (merge * merge)
+
+
+def process_image(processor: Any, image: Any) -> ProcessedImage:
+    """``image`` (an RGB ``PIL.Image.Image``) through the model's image processor."""
+    out = processor(images=[image], return_tensors="pt")
+    pixels = out["pixel_values"].to(torch.float32).contiguous()
+    grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
+    digest = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16, person=b"miles-image").digest()
+    return ProcessedImage(pixels, grid, digest)  # type: ignore[arg-type]
+
+
+def image_spans(ids: list[int], spec: VisionSpec) -> list[tuple[int, int]]:
+    """``[start, end)`` of each image's pad tokens in ``ids``, in order. A ValueError names a span that is not
+    ``<|vision_start|> <|image_pad|>... <|vision_end|>``."""
+    spans, i, n = [], 0, len(ids)
+    while i < n:
+        if ids[i] == spec.image_token_id:
+            start = i
+            while i < n and ids[i] == spec.image_token_id:
+                i += 1
+            if start == 0 or ids[start - 1] != spec.vision_start_id or i == n or ids[i] != spec.vision_end_id:
+                raise ValueError(f"input_ids: the image tokens at {start}..{i - 1} are not between a "
+                                 f"<|vision_start|> ({spec.vision_start_id}) and a <|vision_end|> "
+                                 f"({spec.vision_end_id}) token")
+            spans.append((start, i))
+        else:
+            i += 1
+    return spans
+
+
+def expand_images(ids: list[int], spec: VisionSpec, images: list[ProcessedImage]) -> tuple[list[int],
+                                                                                         list[tuple[int, int]]]:
+    """``ids`` with each image's span holding its number of tokens, and the spans. A span of one pad token is
+    widened; one of exactly the image's count is kept; any other width, or a count of spans other than of images,
+    is a ValueError saying what was expected."""
+    spans = image_spans(ids, spec)
+    if len(spans) != len(images):
+        raise ValueError(f"image_data: {len(images)} image(s) for a prompt with {len(spans)} image span(s) "
+                         f"(<|vision_start|><|image_pad|><|vision_end|>); expected one image per span, in order")
+    out, last, placed = [], 0, []
+    for k, ((start, end), image) in enumerate(zip(spans, images)):
+        want = image.tokens(spec.merge)
+        if end - start not in (1, want):
+            raise ValueError(f"input_ids: image {k} spans {end - start} <|image_pad|> tokens; expected 1 (widened "
+                             f"by the engine) or {want} (its {image.grid[1]}x{image.grid[2]} patch grid merged "
+                             f"{spec.merge}x{spec.merge})")
+        out += ids[last:start]
+        placed.append((len(out), len(out) + want))
+        out += [spec.image_token_id] * want
+        last = end
+    out += ids[last:]
+    return out, placed
+
+
+def mrope_positions(length: int, spans: list[tuple[int, int]], images: list[ProcessedImage],
+                    merge: int) -> tuple[torch.Tensor, int]:
+    """Positions ``[3, length]`` of a prompt whose images fill ``spans``, and its ``delta``: a token at index
+    ``i >= length`` (generated) sits at ``i + delta`` in all three components."""
+    pos = torch.empty((3, length), dtype=torch.long)
+    at, cursor = 0, 0  # index in the prompt, position of the next text token
+    for (start, end), image in zip(spans, images):
+        run = start - at
+        pos[:, at:start] = torch.arange(cursor, cursor + run)
+        cursor += run
+        t, h, w = image.grid[0], image.grid[1] // merge, image.grid[2] // merge
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+        pos[:, start:end] = grid.reshape(3, -1) + cursor
+        cursor += max(h, w)
+        at = end
+    pos[:, at:] = torch.arange(cursor, cursor + length - at)
+    end_pos = cursor + length - at  # the position the next token takes
+    return pos, end_pos - length
+
+
+def cache_key(ids: list[int], spans: list[tuple[int, int]], images: list[ProcessedImage]) -> list[int]:
+    """``ids`` with each image's pad tokens replaced by negative numbers drawn from its digest (see the module)."""
+    key = list(ids)
+    for (start, end), image in zip(spans, images):
+        base = -1 - int.from_bytes(image.digest[:7], "big") * 4096
+        key[start:end] = [base - (i % 4096) for i in range(end - start)]
+    return key

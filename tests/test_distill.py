@@ -81,9 +81,11 @@ def test_advantages_are_the_negative_reverse_kl_on_loss_tokens_plus_the_weighted
 
 def test_distillation_brings_the_student_to_the_teacher(teacher_dir, tmp_path):
     """An untrained student (no SFT) distilled with the reward left out of its advantages: the reverse KL to
-    the teacher falls and the reward, which it never saw, rises."""
+    the teacher falls and the reward, which it never saw, rises. The fall is not steady: on some CPUs (float
+    rounding differs) the KL rests near 0.7 of its start from step 16 to 80 before it falls on, so the run is 160
+    steps (0.52 and +0.08 on an AMD EPYC; 80 steps passed on an earlier machine and failed there)."""
     train(prepare("configs/opd.yaml", [*QUICK, f"run.dir={tmp_path}", f"distill.teacher={teacher_dir}",
-                                       "sft.steps=0", "run.steps=80", "backend.lr=3e-3"]))
+                                       "sft.steps=0", "run.steps=160", "backend.lr=3e-3"]))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     kl = [r["distill/reverse_kl"] for r in rows]
     reward = [r["reward/mean"] for r in rows]

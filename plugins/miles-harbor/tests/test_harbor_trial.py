@@ -5,60 +5,29 @@ does nothing and gets 0; a task the environment cannot build is refused with the
 
 from __future__ import annotations
 
-import fcntl
-import glob
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from harbor_testing import TASKS, write_task
+from harbor_testing import PLUGIN, TASKS, harbor_venv, write_task
 
-PLUGIN = Path(__file__).resolve().parents[1]
-PIN = next(dep for dep in tomllib.loads((PLUGIN / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-           ["harbor"] if dep.startswith("harbor=="))
-REQUIREMENT = PIN.split(";")[0].strip()  # harbor==X.Y.Z
 HOST = "miles_harbor.sandbox_host"
-
-
-def python312() -> str | None:
-    """A working Python >= 3.12 for Harbor: $MILES_HARBOR_PYTHON, pyenv's, or python3.12/3.13 on PATH."""
-    found = [os.environ.get("MILES_HARBOR_PYTHON"),
-             *sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[23]*/bin/python"))),
-             shutil.which("python3.12"), shutil.which("python3.13")]
-    for python in filter(None, found):
-        check = [python, "-c", "import sys; sys.exit(sys.version_info < (3, 12))"]
-        if subprocess.run(check, capture_output=True, timeout=60).returncode == 0:  # a pyenv shim may not run
-            return python
-    return None
 
 
 @pytest.fixture(scope="session")
 def harbor_python() -> str:
     """The Python of a venv holding the pinned harbor, built once under the venv cache and reused."""
-    base = python312()
-    if base is None:
+    python = harbor_venv()
+    if python is None:
         pytest.skip("Harbor needs Python >= 3.12 and none was found (set MILES_HARBOR_PYTHON, or install "
                     "python3.12); see the README")
-    cache = Path(os.environ.get("MILES_VENV_CACHE", "~/.cache/miles/venvs")).expanduser()
-    venv = cache / REQUIREMENT.replace("==", "-")
-    ready = venv / ".miles-ready"
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f"{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others wait, then reuse it
-        if not ready.exists():
-            shutil.rmtree(venv, ignore_errors=True)
-            subprocess.run([base, "-m", "venv", str(venv)], check=True, timeout=300)
-            subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", REQUIREMENT],
-                           check=True, timeout=1800)
-            ready.write_text(REQUIREMENT + "\n")
-    return str(venv / "bin" / "python")
+    return python
 
 
 def host_processes() -> list[int]:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from miles.models.moe import NO_EXPERT, compact, decode_routed_experts, expand
+from miles.models.vision import ProcessedImage
 
 __all__ = ["SampleStatus", "Sample", "Group", "TrainBatch", "LossInputs", "Reward"]
 
@@ -62,6 +63,9 @@ class Sample:
     # rollout.tito.on_mismatch=split: the earlier parts of this trajectory, each a sample of its own (prompt, tokens,
     # mask, log-probs) that trains with this trajectory's reward and advantage; this sample is the last part
     segments: list["Sample"] = field(default_factory=list, repr=False)
+    # vision-language models: the images whose tokens prompt_ids + response_ids hold (each a span of
+    # <|image_pad|> tokens), in order, as the image processor made them (miles.models.vision)
+    images: list[ProcessedImage] = field(default_factory=list, repr=False)
 
     @property
     def trainable(self) -> bool:
@@ -192,6 +196,8 @@ class TrainBatch:
     # [B, L, num_layers * top_k] int16: the engine's expert ids of each input token (-1: none), from the samples'
     # routed_experts (MoE models with rollout.return_routed_experts); position-aligned like input_ids
     routed_experts: torch.Tensor | None = None
+    # vision-language models: each row's images, in the order of its image spans (None: no row has any)
+    images: list[list[ProcessedImage]] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -234,6 +240,9 @@ class TrainBatch:
             values=None if self.values is None else self.values[rows, : width - 1],
             returns=None if self.returns is None else self.returns[rows, : width - 1],
             routed_experts=None if self.routed_experts is None else self.routed_experts[rows, :width],
+            images=None if self.images is None else (
+                self.images[rows] if isinstance(rows, slice) else
+                [self.images[i] for i in (rows.tolist() if torch.is_tensor(rows) else rows)]),
         )
 
     @classmethod
@@ -261,6 +270,7 @@ class TrainBatch:
             group_index=torch.tensor([s.group_index for s in samples], dtype=torch.long),
             samples=samples,
             routed_experts=_routed_experts(samples, width),
+            images=[list(s.images) for s in samples] if any(s.images for s in samples) else None,
         )
 
 

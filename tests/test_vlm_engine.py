@@ -3,45 +3,31 @@ fresh ``transformers`` forward that places the images and computes the multimoda
 
 import asyncio
 import base64
-import io
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from miles.engine.local import LocalEngine
 from miles.models.hf import load_image_processor, load_tokenizer
 from miles.models.vision import expand_images, mrope_positions, process_image, vision_spec
+from miles.testing.vision import VISION_PROMPT, draw_dots, png_bytes
 from test_engine_server import call, start_engine, start_router
 
-PROMPT = "<|vision_start|><|image_pad|><|vision_end|>How many dots? "
+PROMPT = VISION_PROMPT
 GREEDY = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
-
-
-def draw(dots: int, color: str, size=(84, 56)) -> Image.Image:
-    image = Image.new("RGB", size, "white")
-    pen = ImageDraw.Draw(image)
-    for i in range(dots):
-        pen.ellipse((4 + i * 14, 18, 14 + i * 14, 28), fill=color)
-    return image
-
-
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     folder = tmp_path_factory.mktemp("images")
     paths = {}
-    for name, image in {"two_red": draw(2, "red"), "four_blue": draw(4, "blue"),
-                        "big": draw(5, "green", size=(900, 700))}.items():
+    for name, image in {"two_red": draw_dots(2, "red"), "four_blue": draw_dots(4, "blue"),
+                        "big": draw_dots(5, "green", size=(900, 700))}.items():
         paths[name] = folder / f"{name}.png"
-        paths[name].write_bytes(png(image))
-    (folder / "broken.png").write_bytes(png(draw(1, "red"))[:60])
+        paths[name].write_bytes(png_bytes(image))
+    (folder / "broken.png").write_bytes(png_bytes(draw_dots(1, "red"))[:60])
     paths["broken"] = folder / "broken.png"
     return paths
 

@@ -213,12 +213,15 @@ def load_image_processor(path: str | Path) -> object | None:
         hf_logging.set_verbosity(verbosity)
 
 
-def save_pretrained(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path, metadata: dict | None = None
-) -> None:
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # a vision-language model's image processor
+
+
+def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
+                    metadata: dict | None = None, like: str | Path | None = None) -> None:
     """Save in HF format (safetensors) atomically: written beside, then renamed into place.
 
-    ``metadata`` (the run's step and plugin stack) goes to ``miles.json`` in the same directory.
+    ``metadata`` (the run's step and plugin stack) goes to ``miles.json`` in the same directory; the image
+    processor's files of the model directory ``like`` (a vision-language model's) are copied beside.
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -229,6 +232,9 @@ def save_pretrained(
             tokenizer.save_pretrained(tmp)
         if metadata is not None:
             (tmp / "miles.json").write_text(json.dumps(metadata, indent=1))
+        for name in PROCESSOR_FILES if like is not None else ():
+            if (Path(like) / name).is_file():
+                shutil.copyfile(Path(like) / name, tmp / name)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -255,7 +261,7 @@ def save_state_dict(weights: dict[str, torch.Tensor], like: str | Path, out_dir:
         raise ValueError(f"weights do not cover the model: missing {missing[:8]}")
     if (Path(like) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(like)
-    save_pretrained(model, tokenizer, out_dir, metadata)
+    save_pretrained(model, tokenizer, out_dir, metadata, like=like)
 
 
 def _check_dir(path: str | Path) -> Path:

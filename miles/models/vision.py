@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 __all__ = ["ProcessedImage", "VisionSpec", "cache_key", "expand_images", "image_spans", "mrope_positions",
-           "process_image", "vision_spec"]
+           "process_image", "row_inputs", "vision_spec", "vision_tower"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,14 @@ def vision_spec(config: Any) -> VisionSpec | None:
         return None
     return VisionSpec(int(config.image_token_id), int(config.vision_start_token_id), int(config.vision_end_token_id),
                       int(vision.spatial_merge_size))
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
+    """The vision tower of a Qwen2-VL-family model (its ``visual`` module), wrapped or not."""
+    for name, module in model.named_modules():
+        if name == "visual" or name.endswith(".visual"):
+            return module
+    raise ValueError(f"{type(model).__name__} has no vision tower (no module named visual)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,3 +148,28 @@ def cache_key(ids: list[int], spans: list[tuple[int, int]], images: list[Process
         base = -1 - int.from_bytes(image.digest[:7], "big") * 4096
         key[start:end] = [base - (i % 4096) for i in range(end - start)]
     return key
+
+
+def row_inputs(spec: VisionSpec, input_ids: torch.Tensor, lengths: list[int],
+               images: list[list[ProcessedImage]]) -> dict[str, torch.Tensor]:
+    """A training forward's inputs besides ``input_ids`` for right-padded rows (``lengths`` tokens each) whose
+    image spans hold ``images``: ``position_ids [3, B, L]`` (padding at 0; causal attention keeps it out of every
+    real token's context), and the images' ``pixel_values`` and ``image_grid_thw`` in the order of their tokens.
+    A ValueError says which row's images do not match its spans."""
+    rows, width = input_ids.shape
+    positions = torch.zeros((3, rows, width), dtype=torch.long)
+    ordered = []
+    for row, (ids, n, mine) in enumerate(zip(input_ids.tolist(), lengths, images)):
+        spans = image_spans(ids[:n], spec)
+        if len(spans) != len(mine) or any(end - start != image.tokens(spec.merge)
+                                          for (start, end), image in zip(spans, mine)):
+            raise ValueError(f"row {row}: {len(spans)} image span(s) of "
+                             f"{[end - start for start, end in spans]} tokens, but {len(mine)} image(s) of "
+                             f"{[image.tokens(spec.merge) for image in mine]} tokens")
+        positions[:, row, :n] = mrope_positions(n, spans, mine, spec.merge)[0]
+        ordered += mine
+    inputs = {"position_ids": positions.to(input_ids.device)}
+    if ordered:
+        inputs["pixel_values"] = torch.cat([image.pixel_values for image in ordered]).to(input_ids.device)
+        inputs["image_grid_thw"] = torch.tensor([image.grid for image in ordered], device=input_ids.device)
+    return inputs

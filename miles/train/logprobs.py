@@ -25,7 +25,8 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool = False,
-                   entropy_grad: bool = False, *, chunk_tokens: int = 0, kernel: LogprobKernel | str | None = None):
+                   entropy_grad: bool = False, *, chunk_tokens: int = 0, kernel: LogprobKernel | str | None = None,
+                   inputs: dict[str, torch.Tensor] | None = None):
     """``[B, L-1]``: column ``t`` is log p(input_ids[:, t+1] | input_ids[:, :t+1]).
 
     Sequences are right-padded, so causal attention alone keeps padding out of every real token's
@@ -37,11 +38,13 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy
     ``[tokens x vocab]`` float32 logits, forward and backward, with ``kernel`` (a kernel, a registered
     name resolved by :func:`miles.train.kernels.select_kernel` for the input's device, or None: the
     ``torch`` kernel). The model's output layer must be an ``nn.Linear`` whose result the model returns
-    unchanged as its logits (HF causal LMs without logit soft-capping or scaling).
+    unchanged as its logits (HF causal LMs without logit soft-capping or scaling). ``inputs``: more arguments of
+    the model's forward (a vision-language model's positions and pixels, :func:`miles.models.vision.row_inputs`).
     """
+    inputs = inputs or {}
     if chunk_tokens > 0:
-        return _chunked(model, input_ids, with_entropy, entropy_grad, chunk_tokens, kernel)
-    logits = model(input_ids=input_ids).logits[:, :-1].float()
+        return _chunked(model, input_ids, with_entropy, entropy_grad, chunk_tokens, kernel, inputs)
+    logits = model(input_ids=input_ids, **inputs).logits[:, :-1].float()
     targets = input_ids[:, 1:].unsqueeze(-1)
     log_norm = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, targets).squeeze(-1) - log_norm
@@ -53,7 +56,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy
 
 
 def _chunked(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool, entropy_grad: bool,
-             chunk_tokens: int, kernel: LogprobKernel | str | None):
+             chunk_tokens: int, kernel: LogprobKernel | str | None, inputs: dict[str, torch.Tensor]):
     if kernel is None:
         kernel = TorchKernel()
     elif isinstance(kernel, str):
@@ -71,7 +74,7 @@ def _chunked(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool
         return torch.stack([logprobs, entropy], dim=-1).view(rows, width, 2)
 
     with patched_head(head, head_forward):
-        packed = model(input_ids=input_ids).logits
+        packed = model(input_ids=input_ids, **inputs).logits
     logprobs = packed[..., 0].contiguous()
     if not with_entropy:
         return logprobs

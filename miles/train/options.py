@@ -67,6 +67,9 @@ class TrainOptions:
     # (auto: when that saves enough and the model takes a tree mask; true: always, refused for a model that cannot;
     # false: never). miles.train.prefix_tree; docs/backends.md
     share_prefixes: Union[str, bool] = "auto"
+    # Vision-language models: keep the vision tower's weights as they are (only the language model trains); a
+    # text-only model ignores it. docs/multimodal.md
+    freeze_vision: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -59,6 +59,8 @@ def config_sharing_problem(config: Any, name: str) -> str | None:
     chosen yet is taken as the default, sdpa)."""
     if config is None or getattr(config, "is_encoder_decoder", False):
         return f"{name} is not an HF decoder-only model"
+    if getattr(config, "vision_config", None) is not None:
+        return f"{name} is a vision-language model, whose multimodal positions a tree does not carry"
     implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     if implementation not in ATTENTION_IMPLEMENTATIONS:
         return (f"{name} runs attention_implementation {implementation!r}, which takes no tree mask; load it with "

@@ -18,6 +18,7 @@ from miles.train.backend import LossFn
 from miles.train.batching import normalizers, plan_batch
 from miles.train import lora
 from miles.train.kernels import check_kernel_name, select_kernel
+from miles.models.vision import row_inputs, vision_spec, vision_tower
 from miles.train.logprobs import token_logprobs
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
 from miles.train.prefix_tree import PrefixSharing
@@ -58,6 +59,9 @@ class Policy:
                  optimizer: torch.optim.Optimizer | None = None, critic: torch.nn.Module | None = None) -> None:
         self.model, self.ref_model, self.options, self.device = model, ref_model, options, device
         self.moe = moe_layout(model)  # None for a dense model
+        self.vision = vision_spec(getattr(model, "config", None))  # None for a text-only model
+        if self.vision is not None and options.freeze_vision:
+            vision_tower(model).requires_grad_(False)  # before the optimizer takes the parameters
         self._ref_moe = None
         if self.moe is None and (options.routing_replay or options.router_aux_loss_coef):
             raise ValueError("routing_replay and router_aux_loss_coef need a mixture-of-experts model; this model "
@@ -86,11 +90,19 @@ class Policy:
 
     def _forward(self, model: torch.nn.Module, micro: TrainBatch, **kwargs: Any):
         if self.options.exact_logprobs:
+            if micro.images is not None:
+                raise ValueError("exact_logprobs (rollout.true_on_policy) covers text-only samples; these hold images")
             return self._exact_forward(model, micro, kwargs.get("with_entropy", False))
         tree = self.sharing.pack(micro)
+        input_ids = micro.input_ids.to(self.device)
+        if self.vision is not None:  # multimodal positions, and the pixels of the rows' images
+            kwargs["inputs"] = row_inputs(self.vision, input_ids, micro.attention_mask.sum(dim=1).tolist(),
+                                          micro.images or [[] for _ in range(len(micro))])
+        elif micro.images is not None:
+            raise ValueError("the samples hold images, but the model is text-only (its config has no vision tower)")
         with self._autocast():
             logprobs = token_logprobs if tree is None else tree.logprobs
-            return logprobs(model, micro.input_ids.to(self.device), chunk_tokens=self.options.logprob_chunk_tokens,
+            return logprobs(model, input_ids, chunk_tokens=self.options.logprob_chunk_tokens,
                             kernel=self.logprob_kernel, **kwargs)
 
     def _exact_forward(self, model: torch.nn.Module, micro: TrainBatch, with_entropy: bool):
@@ -413,7 +425,7 @@ class TorchBackend:
         if self.options.lora is not None:  # plain HF weights with the adapters merged in
             save_state_dict(lora.merged_weights(self.model), self._model_path, path, tokenizer, metadata)
             return
-        save_pretrained(self.model, tokenizer, path, metadata)
+        save_pretrained(self.model, tokenizer, path, metadata, like=self._model_path)
 
     def save_checkpoint(self, path: str) -> None:
         path_ = Path(path)
@@ -423,7 +435,7 @@ class TorchBackend:
             (path_ / "model").mkdir(parents=True, exist_ok=True)
             save_file(lora.adapter_state(self.model.state_dict()), path_ / "model" / "adapters.safetensors")
         else:
-            save_pretrained(self.model, None, path_ / "model")
+            save_pretrained(self.model, None, path_ / "model", like=self._model_path)
         critic = {} if self.policy.critic is None else {"critic": self.policy.critic.state_dict()}
         torch.save({**self.policy.state_dict(), **critic, "rng": rng_state()}, path_ / "trainer.pt")
 

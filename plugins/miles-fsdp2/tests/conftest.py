@@ -5,7 +5,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from miles.testing import ray_cluster, tiny_model_dir  # noqa: E402,F401  (the fixtures)
+from miles.testing import ray_cluster, tiny_model_dir, vlm_model_dir  # noqa: E402,F401  (the fixtures)
 
 torch.set_num_threads(1)
 

@@ -16,7 +16,8 @@ from PIL import Image
 import miles.models.images as images
 from miles.errors import DataError
 from miles.models.images import ImageProblem, image_refs, load_image
-from miles.rollout.data_source import read_rows
+from miles.models.hf import load_tokenizer
+from miles.rollout.data_source import ImageEncoder, encode_rows, read_rows
 
 MODES = ["1", "L", "P", "RGB", "RGBA", "CMYK", "YCbCr", "LA", "PA", "I", "I;16", "F", "LAB", "HSV", "RGBX"]
 FORMATS = ["PNG", "JPEG", "WEBP", "TIFF", "GIF", "BMP"]
@@ -164,13 +165,25 @@ def test_bad_images_in_a_data_file_are_named_by_line_and_image(tmp_path):
     assert f"line 4, image 1 of the prompt: {tmp_path / 'gone.png'}: no such file" in message
 
 
-def test_good_images_are_refused_until_vision_language_models_are_supported(tmp_path):
-    (tmp_path / "ok.png").write_bytes(encoded(Image.new("RGB", (8, 8))))
-    image = {"prompt": [{"role": "user", "content": [{"type": "image", "image": "ok.png"}]}], "label": "1"}
+def test_images_are_refused_for_a_text_only_model_and_read_for_a_vision_language_model(tmp_path, vlm_model_dir,
+                                                                                      tiny_model_dir):
+    (tmp_path / "ok.png").write_bytes(encoded(Image.new("RGB", (56, 56), "red")))
+    image = {"prompt": [{"role": "user", "content": [{"type": "image", "image": "ok.png"},
+                                                     {"type": "text", "text": "Colour?"}]}], "label": "red"}
     write_rows(tmp_path / "data.jsonl", [{"prompt": "2+2=", "label": "4"}, image])
     with pytest.raises(DataError, match=r"data.jsonl', line 2: the prompt holds images \(1 prompt\(s\) of the file do\)"
-                                        r", and Miles trains text-only models so far"):
+                                        r", and the model is text-only \(its config has no vision tower\)"):
         read_rows(tmp_path / "data.jsonl", "prompt", None)
+
+    rows = read_rows(tmp_path / "data.jsonl", "prompt", None, images=True)
+    tokenizer = load_tokenizer(vlm_model_dir)
+    text, pictured = encode_rows(rows, tokenizer, prompt_key="prompt", label_key="label", chat_template="auto",
+                                 images=ImageEncoder.of(vlm_model_dir))
+    assert text.images == () and len(pictured.images) == 1
+    image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert pictured.prompt_ids.count(image_pad) == 4  # 56x56 pixels: 2x2 merged patches, widened from one pad
+    assert pictured.images[0].ref == str((tmp_path / "ok.png").resolve())  # what the engine is sent
+    assert ImageEncoder.of(tiny_model_dir) is None  # a text-only model: its data may hold no images
 
 
 def test_miles_train_exits_2_naming_the_bad_image(tmp_path):

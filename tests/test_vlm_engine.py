@@ -10,6 +10,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from miles.engine.local import LocalEngine
+from miles.engine.router import Router
 from miles.models.hf import load_image_processor, load_tokenizer
 from miles.models.vision import expand_images, mrope_positions, process_image, vision_spec
 from miles.testing.vision import VISION_PROMPT, draw_dots, png_bytes
@@ -49,9 +50,11 @@ def reference(vlm, ids, paths, output_ids):
         kwargs = {"pixel_values": torch.cat([p.pixel_values for p in processed]),
                   "image_grid_thw": torch.tensor([p.grid for p in processed])}
     with torch.no_grad():
-        logits = model(input_ids=seq, mm_token_type_ids=(seq == spec.image_token_id).int(), **kwargs).logits
-    logprobs = logits[0].float().log_softmax(-1).gather(1, seq[0, 1:, None]).squeeze(1)
-    return logprobs[: len(full) - 1], logprobs[len(full) - 1:]
+        logits = model(input_ids=seq, mm_token_type_ids=(seq == spec.image_token_id).int(), **kwargs).logits[0].float()
+    prompt = logits.log_softmax(-1).gather(1, seq[0, 1:, None]).squeeze(1)[: len(full) - 1]
+    # outputs are sampled without the image tokens (a policy never generates them)
+    masked = logits.index_fill(-1, torch.tensor(spec.never_generated), float("-inf")).log_softmax(-1)
+    return prompt, masked.gather(1, seq[0, 1:, None]).squeeze(1)[len(full) - 1:]
 
 
 def output_logprobs(answer):
@@ -152,6 +155,23 @@ def test_a_batch_of_images_text_and_n_samples_through_the_server_and_sglang_rout
                 assert torch.allclose(output_logprobs(answer), expected, atol=1e-4), k
         # the big image was scaled by the processor's rule (at most 112x112 pixels: 16 tokens), not refused
         assert answers[2]["meta_info"]["prompt_tokens"] <= len(prompts[1]) - 2 + 6 + 16
+
+        # Miles' own client batches one loop turn's requests into one /generate, image_data per prompt
+        async def through_miles_router():
+            router = Router([base])
+            await router.start()
+            try:
+                return await asyncio.gather(*(router.generate(ids, GREEDY, image_data=None if refs is None else
+                                                              [refs] if isinstance(refs, str) else refs)
+                                              for ids, refs in zip(prompts, image_data)))
+            finally:
+                await router.close()
+
+        batched_before = call(base, "/server_info")[1]["internal_states"][0]["prefill_batches"]
+        for k, answer in enumerate(asyncio.run(through_miles_router())):
+            assert answer["output_ids"] == answers[2 * k]["output_ids"]
+            assert torch.allclose(output_logprobs(answer), output_logprobs(answers[2 * k]), atol=1e-5)
+        assert call(base, "/server_info")[1]["internal_states"][0]["prefill_batches"] == batched_before + 1
     finally:
         for p in processes:
             p.terminate()
@@ -218,3 +238,13 @@ def test_a_held_prefix_that_ends_inside_an_image_is_not_used_past_the_image_star
     assert e.stats()["prefill_tokens_computed"] - before == first["meta_info"]["prompt_tokens"] - text_before
     _, expected = reference(vlm, ids, [images["two_red"]], second["output_ids"])
     assert torch.allclose(output_logprobs(second), expected, atol=1e-4)
+
+
+def test_image_tokens_are_never_sampled(vlm, vlm_model_dir, images):
+    """Hot sampling from a random model would draw one of them about once in 35 tokens (200 tokens without one: a
+    chance of 0.3%); an image token is an image only where a prompt puts one."""
+    _, tokenizer, _, spec = vlm
+    e = engine(vlm_model_dir, cache_tokens=0)
+    hot = {"max_new_tokens": 200, "temperature": 5.0, "ignore_eos": True}
+    answer = asyncio.run(e.generate(tokenizer.encode(PROMPT), hot, True, image_data=str(images["two_red"])))
+    assert len(answer["output_ids"]) == 200 and not set(answer["output_ids"]) & set(spec.never_generated)

@@ -83,3 +83,18 @@ def test_prefix_sharing_is_refused_under_true_and_left_off_under_auto(vlm_model_
         backend(vlm_model_dir, share_prefixes=True)
     auto = backend(vlm_model_dir)  # the groups share their prompts: auto would pack a text model's rows
     assert auto.policy.sharing.enabled is False
+
+
+def test_columns_of_image_tokens_hold_finite_logprobs_and_the_step_finite_figures(vlm_model_dir, samples):
+    """A prompt's image tokens are targets the engine never samples: their columns hold 0, and a step's loss,
+    entropy and gradients stay finite (0 * -inf would be nan)."""
+    batch = TrainBatch.from_samples(samples, pad_token_id=0)
+    b = backend(vlm_model_dir)
+    logprobs = b.compute_logprobs(batch)
+    assert torch.isfinite(logprobs).all()
+    image_targets = batch.input_ids[:, 1:] == b.policy.vision.image_token_id
+    assert image_targets.any() and (logprobs[image_targets] == 0).all()
+    batch.advantages = (batch.rewards - 0.5).unsqueeze(1) * batch.loss_mask
+    metrics = b.train_step(batch, ppo_clip)
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert all(torch.isfinite(p).all() for p in b.model.parameters())

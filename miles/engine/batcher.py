@@ -25,7 +25,7 @@ from miles.engine.image_input import prefill_vision_inputs
 from miles.engine.kv_layout import left_pad, pack, past_block
 from miles.engine.prefix_cache import PrefixCache
 from miles.engine.request import Request, answer, clear_outputs, plain_answer
-from miles.engine.sampling import sample_next
+from miles.engine.sampling import sample_next, top_logprobs
 from miles.models.hf import exact_logprobs
 from miles.models.moe import moe_layout, routing
 
@@ -47,6 +47,7 @@ class ContinuousBatcher:
         self.step_lock = threading.Lock()  # held for each step and by weight updates
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self.moe = moe_layout(model)  # None for a dense model
+        self.never_generated: torch.Tensor | None = None  # token ids a policy never samples (set by the engine)
         self._epoch = 0  # bumped by each clear of the prefix cache
         # prefill_tokens_requested: prompt tokens admitted; _computed: those run through the model (the rest came
         # from the prefix cache); prefix_cache_tokens: held now; requests_aborted: answered early by an abort (a
@@ -398,7 +399,7 @@ class ContinuousBatcher:
         logprobs = logits.log_softmax(dim=-1)
         targets = torch.tensor(r.prompt[1:], dtype=torch.long, device=logits.device)
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-        top = _top(logprobs, r.top_logprobs_num) if r.top_logprobs_num else [None] * len(chosen)
+        top = top_logprobs(logprobs, r.top_logprobs_num) if r.top_logprobs_num else [None] * len(chosen)
         start = r.logprob_start_len
         r.input_logprobs = ([None] + chosen)[start:]
         r.input_top = ([None] + top)[start:] if r.top_logprobs_num else []
@@ -407,12 +408,14 @@ class ContinuousBatcher:
         finite = torch.isfinite(logits).all(dim=-1)  # [B]; broken weights fail their rows, not the whole batch
         if not bool(finite.all()):
             logits = torch.where(finite.unsqueeze(1), logits, torch.zeros_like(logits))
+        if self.never_generated is not None:  # a vision-language model's image tokens (miles.models.vision)
+            logits = logits.index_fill(1, self.never_generated, float("-inf"))
         temperature, top_p, top_k = settings
         tokens = sample_next(logits, temperature, top_p, top_k, self.generator)
         all_logprobs = logits.log_softmax(dim=-1)  # [B, V]
         logprobs = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         k = max((r.top_logprobs_num for r in rows if r.return_logprob), default=0)
-        top = _top(all_logprobs, k) if k else None
+        top = top_logprobs(all_logprobs, k) if k else None
         entropy = (torch.special.entr(all_logprobs.exp()).sum(dim=-1).tolist()
                    if any(r.return_entropy for r in rows) else None)
         version = self.version()  # the caller holds step_lock: no update lands in this step
@@ -492,9 +495,3 @@ class ContinuousBatcher:
 
 
 NON_FINITE = "the model produced non-finite logits (NaN or inf): check the weights"
-
-
-def _top(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
-    """The ``k`` most likely tokens of each row of ``logprobs`` [N, V], as (logprob, token id) pairs."""
-    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]

@@ -48,7 +48,7 @@ def attach_images(request: Request, image_data: Any, vision: VisionSpec | None, 
             loaded = load_image(ref)
         except ImageProblem as exc:
             raise ValueError(f"image_data[{k}]: {exc}") from exc
-        images.append(process_image(processor, loaded.image))
+        images.append(process_image(processor, loaded.image, ref))
     request.prompt, request.spans = expand_images(request.prompt, vision, images)
     request.images = images
     request.positions, request.delta = mrope_positions(len(request.prompt), request.spans, images, vision.merge)

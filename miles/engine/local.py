@@ -106,6 +106,8 @@ class LocalEngine:
             max_batch_size=self.max_batch_size, version=lambda: self.weight_version, background=self.background,
             prefix_cache_tokens=self.prefix_cache_tokens, exact_logprobs=self.exact_logprobs,
         )
+        if self.vision is not None:
+            self.batcher.never_generated = torch.tensor(self.vision.never_generated, device=device)
 
     def close(self) -> None:
         if self.batcher is not None:

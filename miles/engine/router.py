@@ -222,10 +222,14 @@ class Router:
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None,
                        return_logprob: bool = True, rid: str | None = None,
-                       return_routed_experts: bool = False, *, logprob_start_len: int = -1) -> dict[str, Any]:
+                       return_routed_experts: bool = False, *, logprob_start_len: int = -1,
+                       image_data: list[str] | None = None) -> dict[str, Any]:
         """Route one request; on a connection error or a dead engine, retry on another. ``logprob_start_len``
-        >= 0 asks for the input's log-probs from there (``input_token_logprobs``, as SGLang answers it)."""
+        >= 0 asks for the input's log-probs from there (``input_token_logprobs``, as SGLang answers it);
+        ``image_data``: the prompt's images (SGLang's field; vision-language models)."""
         body = {"input_ids": input_ids, "sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if image_data:
+            body["image_data"] = image_data
         if logprob_start_len >= 0:
             body["logprob_start_len"] = logprob_start_len
         if return_routed_experts:
@@ -284,6 +288,8 @@ class Router:
                 body["return_routed_experts"] = [b.get("return_routed_experts", False) for b in bodies]
             if any("logprob_start_len" in b for b in bodies):
                 body["logprob_start_len"] = [b.get("logprob_start_len", -1) for b in bodies]
+            if any("image_data" in b for b in bodies):
+                body["image_data"] = [b.get("image_data") for b in bodies]
         deadline = time.monotonic() + self.request_timeout_s
         last_error: Exception | None = None
         for attempt in range(self.max_retries + 1):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SamplingParams", "sample_next", "shown", "MAX_SAMPLES", "MAX_TOP_K"]
+__all__ = ["SamplingParams", "sample_next", "shown", "top_logprobs", "MAX_SAMPLES", "MAX_TOP_K"]
 
 
 # The largest values the engine takes: top_k as SGLang keeps it (int32), and the samples one request may ask for
@@ -158,3 +158,9 @@ def sample_next(
     if bool(greedy.any()):
         sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
     return sampled
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    """The ``k`` most likely tokens of each row of ``logprobs`` [N, V], as (logprob, token id) pairs."""
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]

@@ -53,9 +53,11 @@ class EvalSet:
         return f"eval/{self.name}/{what}"
 
 
-def read_eval_sets(config: Any, tokenizer: Any, eval_path: str | None, context: int) -> list[EvalSet]:
-    """The ``eval.datasets`` of ``config``, read and encoded like the training data. ``eval_path``: the data's
-    held-out file (``data.eval_path`` or the generator's eval split), used by datasets without a path.
+def read_eval_sets(config: Any, tokenizer: Any, eval_path: str | None, context: int,
+                   images: Any = None) -> list[EvalSet]:
+    """The ``eval.datasets`` of ``config``, read and encoded like the training data (``images``: a vision-language
+    model's :class:`miles.rollout.data_source.ImageEncoder`). ``eval_path``: the data's held-out file
+    (``data.eval_path`` or the generator's eval split), used by datasets without a path.
     Prompts that leave no room for the dataset's ``max_new_tokens`` are an error naming the dataset."""
     data_cfg, sets = config.data, []
     base_sampling = dict(config.rollout.sampling)
@@ -67,10 +69,10 @@ def read_eval_sets(config: Any, tokenizer: Any, eval_path: str | None, context: 
                               f"with an eval split) for datasets without a path")
         if not Path(path).is_file():
             raise ConfigError(f"{where}.path: {str(path)!r} is not a file (expected JSONL or Parquet)")
-        rows = read_rows(path, data_cfg.prompt_key, None)
+        rows = read_rows(path, data_cfg.prompt_key, None, images is not None)
         rows = rows[: ds.max_prompts] if ds.max_prompts else rows
         prompts = encode_rows(rows, tokenizer, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key,
-                              chat_template=data_cfg.chat_template)
+                              chat_template=data_cfg.chat_template, images=images)
         sampling = {**base_sampling, **{k: v for k, v in dict(ds.sampling).items() if v is not None}}
         room = int(sampling["max_new_tokens"])
         too_long = [p for p in prompts if len(p.prompt_ids) + room > context]

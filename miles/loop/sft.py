@@ -24,7 +24,8 @@ def sft_samples(prompts: list[Prompt], tokenizer: Any, messages_key: str | None 
                 for p in prompts]
     samples = []
     for prompt in prompts:
-        sample = Sample(prompt_ids=list(prompt.prompt_ids), prompt=prompt.prompt, label=prompt.label, reward=0.0)
+        sample = Sample(prompt_ids=list(prompt.prompt_ids), prompt=prompt.prompt, label=prompt.label, reward=0.0,
+                        images=list(prompt.images))
         label_ids = tokenizer(str(prompt.label), add_special_tokens=False)["input_ids"]
         sample.append([*label_ids, tokenizer.eos_token_id], None, from_policy=True)
         sample.status = SampleStatus.COMPLETED

@@ -12,6 +12,10 @@ coordinates offset by the position where the image starts, and the text after an
 plus the grid's larger side over ``merge``. So a prompt of ``L`` tokens ends at a position other than ``L - 1``:
 ``delta`` is that difference, and each generated token at index ``i`` sits at ``i + delta`` in all three.
 
+A policy never samples these tokens (:attr:`VisionSpec.never_generated`): an image token in a response would not
+stand for an image. The engine samples from the next-token distribution renormalised without them, and the trainer
+computes log-probs from the same distribution.
+
 Two prompts that differ only in their images have the same token ids. :func:`cache_key` gives the ids under which
 a prefix cache may hold a prompt: each image's pad tokens replaced by negative numbers drawn from the image's
 bytes, so equal text before different images never shares K/V past the image's first token.
@@ -19,7 +23,9 @@ bytes, so equal text before different images never shares K/V past the image's f
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +43,14 @@ class VisionSpec:
     vision_start_id: int
     vision_end_id: int
     merge: int  # patches merged per side into one token
+    video_token_id: int | None = None
+
+    @property
+    def never_generated(self) -> list[int]:
+        """The tokens that stand for images (and videos): a policy never samples them. The engine samples from the
+        next-token distribution without them, and the trainer computes its log-probs the same way."""
+        return sorted({self.image_token_id, self.vision_start_id, self.vision_end_id}
+                      | ({self.video_token_id} if self.video_token_id is not None else set()))
 
 
 def vision_spec(config: Any) -> VisionSpec | None:
@@ -44,8 +58,9 @@ def vision_spec(config: Any) -> VisionSpec | None:
     vision = getattr(config, "vision_config", None)
     if vision is None or getattr(config, "image_token_id", None) is None:
         return None
+    video = getattr(config, "video_token_id", None)
     return VisionSpec(int(config.image_token_id), int(config.vision_start_token_id), int(config.vision_end_token_id),
-                      int(vision.spatial_merge_size))
+                      int(vision.spatial_merge_size), None if video is None else int(video))
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
@@ -63,19 +78,25 @@ class ProcessedImage:
     pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch], float32
     grid: tuple[int, int, int]  # (t, h, w) in patches
     digest: bytes  # of the pixels: equal images, equal digests
+    ref: str | None = None  # how an engine is sent the same image: an absolute path or a data URL
 
     def tokens(self, merge: int) -> int:
         t, h, w = self.grid
         return t * h * w // (merge * merge)
 
 
-def process_image(processor: Any, image: Any) -> ProcessedImage:
-    """``image`` (an RGB ``PIL.Image.Image``) through the model's image processor."""
+def process_image(processor: Any, image: Any, ref: str | None = None) -> ProcessedImage:
+    """``image`` (an RGB ``PIL.Image.Image``) through the model's image processor; ``ref``: where it came from (an
+    absolute path or a data URL; by default a data URL of the image as PNG)."""
     out = processor(images=[image], return_tensors="pt")
     pixels = out["pixel_values"].to(torch.float32).contiguous()
     grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
     digest = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16, person=b"miles-image").digest()
-    return ProcessedImage(pixels, grid, digest)  # type: ignore[arg-type]
+    if ref is None:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        ref = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return ProcessedImage(pixels, grid, digest, ref)  # type: ignore[arg-type]
 
 
 def image_spans(ids: list[int], spec: VisionSpec) -> list[tuple[int, int]]:

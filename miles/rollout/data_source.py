@@ -16,10 +16,11 @@ from typing import Any
 
 from miles.errors import DataError
 from miles.models.images import MAX_PIXELS, ImageProblem, image_refs, load_image
+from miles.models.vision import ProcessedImage, VisionSpec, expand_images, process_image, vision_spec
 from miles.rewards.labels import LabelNeed, is_empty_label, label_problem, show_label
 
-__all__ = ["Prompt", "PromptSource", "Rows", "check_images", "check_labels", "check_unknown_tokens", "encode_prompt",
-           "encode_rows", "read_rows", "unknown_token_id", "where_in_file"]
+__all__ = ["ImageEncoder", "Prompt", "PromptSource", "Rows", "check_images", "check_labels", "check_unknown_tokens",
+           "encode_prompt", "encode_rows", "read_rows", "unknown_token_id", "where_in_file"]
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -32,25 +33,29 @@ class Prompt:
     prompt_ids: list[int]
     extra: dict[str, Any] = field(default_factory=dict)  # the row's other columns (for envs, SFT traces)
     line: int | None = None  # where the row is in its file: 1-based line of a JSONL file, row of a Parquet file
+    images: tuple[ProcessedImage, ...] = ()  # a vision-language model's: one per image span of prompt_ids
 
 
 class Rows(list):
     """The rows of a data file (dicts), with ``lines[i]``, where row ``i`` is in the file: its 1-based line in a
     JSONL file, its 1-based row number in a Parquet file. A slice keeps the lines of its rows."""
 
-    def __init__(self, rows: Iterable[dict[str, Any]] = (), lines: Iterable[int] = ()) -> None:
+    def __init__(self, rows: Iterable[dict[str, Any]] = (), lines: Iterable[int] = (),
+                 folder: Path | None = None) -> None:
         super().__init__(rows)
         self.lines = list(lines)
+        self.folder = folder  # the file's folder: relative image paths are taken from it
 
     def __getitem__(self, item: Any) -> Any:
         if isinstance(item, slice):
-            return Rows(super().__getitem__(item), self.lines[item])
+            return Rows(super().__getitem__(item), self.lines[item], self.folder)
         return super().__getitem__(item)
 
 
-def read_rows(path: str | Path, prompt_key: str, label_key: str | None) -> Rows:
+def read_rows(path: str | Path, prompt_key: str, label_key: str | None, images: bool = False) -> Rows:
     """All rows of a JSONL or Parquet file, checked to hold ``prompt_key`` (and ``label_key``), every row with
-    every column of the file (None where a JSONL row has not got it).
+    every column of the file (None where a JSONL row has not got it). Every image the prompts name is checked;
+    prompts with images are refused unless ``images`` (the model is a vision-language model).
 
     A JSONL line is taken as JSON reads it: a label ``"007"`` stays that string and ``7`` an integer, where
     ``datasets`` would make both numbers of one type (``7.0``, or ``7`` for ``"007"`` in a column of mixed types)."""
@@ -73,12 +78,13 @@ def read_rows(path: str | Path, prompt_key: str, label_key: str | None) -> Rows:
                 f"{', '.join(columns)}. Set {what} to the column that holds it."
             )
     _check_prompts_present(path, raw, lines, prompt_key)
-    rows = Rows(({column: row.get(column) for column in columns} for row in raw), lines)
-    if holding := check_images(rows, path, prompt_key):
+    rows = Rows(({column: row.get(column) for column in columns} for row in raw), lines, path.parent)
+    if (holding := check_images(rows, path, prompt_key)) and not images:
         first = next(line for row, line in zip(rows, lines) if image_refs(row[prompt_key]))
         raise DataError(f"data file {str(path)!r}, line {first}: the prompt holds images ({holding} prompt(s) of the "
-                        f"file do), and Miles trains text-only models so far: vision-language models are not "
-                        f"supported yet. Leave the image parts out of data.prompt_key's messages")
+                        f"file do), and the model is text-only (its config has no vision tower). Train a "
+                        f"vision-language model (model.build.arch: qwen2_5_vl, or a Qwen2.5-VL model.path), or "
+                        f"leave the image parts out of data.prompt_key's messages")
     return rows
 
 
@@ -163,14 +169,57 @@ def encode_prompt(tokenizer: Any, prompt: Any, chat_template: bool) -> list[int]
 
 
 def encode_rows(rows: list[dict[str, Any]], tokenizer: Any, *, prompt_key: str, label_key: str | None,
-                chat_template: str | bool) -> list[Prompt]:
-    """Every row as a :class:`Prompt`, its token ids encoded once (through the chat template when used)."""
+                chat_template: str | bool, images: "ImageEncoder | None" = None) -> list[Prompt]:
+    """Every row as a :class:`Prompt`, its token ids encoded once (through the chat template when used); with
+    ``images`` (a vision-language model's), each prompt's images read and its image spans widened."""
     use_template = _use_chat_template(tokenizer, chat_template)
     lines = getattr(rows, "lines", None) or [None] * len(rows)
-    return [Prompt(i, row[prompt_key], row.get(label_key) if label_key else None,
-                   encode_prompt(tokenizer, row[prompt_key], use_template),
-                   {k: v for k, v in row.items() if k not in (prompt_key, label_key)}, line)
-            for i, (row, line) in enumerate(zip(rows, lines))]
+    prompts = []
+    for i, (row, line) in enumerate(zip(rows, lines)):
+        ids, held = encode_prompt(tokenizer, row[prompt_key], use_template), ()
+        if images is not None and (refs := image_refs(row[prompt_key])):
+            try:
+                ids, held = images.encode(ids, refs, getattr(rows, "folder", None))
+            except (ImageProblem, ValueError) as exc:
+                raise DataError(f"{f'line {line}' if line else f'row {i + 1}'}: {exc}") from exc
+        prompts.append(Prompt(i, row[prompt_key], row.get(label_key) if label_key else None, ids,
+                              {k: v for k, v in row.items() if k not in (prompt_key, label_key)}, line, held))
+    return prompts
+
+
+class ImageEncoder:
+    """A vision-language model's images for prompts: each read (:func:`miles.models.images.load_image`), made into
+    the vision tower's input by the model's image processor, and its span of the prompt widened to its tokens."""
+
+    def __init__(self, spec: VisionSpec, processor: Any) -> None:
+        self.spec, self.processor = spec, processor
+
+    @classmethod
+    def of(cls, model_path: str | Path) -> "ImageEncoder | None":
+        """The encoder of the model directory ``model_path``; None for a text-only model."""
+        from transformers import AutoConfig
+
+        from miles.models.hf import load_image_processor
+
+        spec = vision_spec(AutoConfig.from_pretrained(model_path))
+        return None if spec is None else cls(spec, load_image_processor(model_path))
+
+    def encode(self, ids: list[int], refs: list[Any], folder: Path | None) -> tuple[list[int],
+                                                                                  tuple[ProcessedImage, ...]]:
+        """``ids`` widened, and the images ``refs`` name (relative paths from ``folder``)."""
+        images = []
+        for ref in refs:
+            loaded = load_image(ref, folder)
+            path = Path(loaded.source)
+            # the engine is sent the file's absolute path, or the data as it was given
+            images.append(process_image(self.processor, loaded.image,
+                                        str(path.resolve()) if path.is_file() else _data_url(ref)))
+        widened, _ = expand_images(ids, self.spec, images)
+        return widened, tuple(images)
+
+
+def _data_url(ref: str) -> str:
+    return ref if ref.startswith("data:") else "data:image/png;base64," + "".join(ref.split())
 
 
 # -- checks before a run starts -------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ def make_groups(prompts: list[Prompt], n_samples: int, first_group_index: int = 
             samples=[
                 Sample(
                     prompt_ids=list(p.prompt_ids), group_index=first_group_index + g, index=i,
-                    prompt=p.prompt, label=p.label, metadata={"row": p.index, "data": p.extra},
+                    prompt=p.prompt, label=p.label, metadata={"row": p.index, "data": p.extra}, images=list(p.images),
                 )
                 for i in range(n_samples)
             ],

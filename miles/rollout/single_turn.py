@@ -39,7 +39,8 @@ async def single_turn(sample: Sample, ctx: RolloutContext) -> Sample:
             sample.status, sample.reason = SampleStatus.TRUNCATED, "max_new_tokens reached"
             return sample
         params = {**params, "max_new_tokens": left}
+    images = {"image_data": [image.ref for image in sample.images]} if sample.images else {}
     answer = await ctx.engine.generate(sample.prompt_ids + sample.response_ids, params, return_logprob=True,
-                                       **ctx.generate_options)
+                                       **ctx.generate_options, **images)
     apply_generate_answer(sample, answer)
     return sample

@@ -30,7 +30,7 @@ from miles.hookspecs import LoraEngine, uses_ray
 from miles.loop.evaluation import EvalSet, read_eval_sets
 from miles.models.hf import build_model_dir, context_length, load_tokenizer, read_chat_template
 from miles.rewards.labels import LabelNeed, label_need
-from miles.rollout.data_source import (Prompt, check_labels, check_unknown_tokens, encode_rows, read_rows,
+from miles.rollout.data_source import (ImageEncoder, Prompt, check_labels, check_unknown_tokens, encode_rows, read_rows,
                                        where_in_file)
 from miles.train.assemble import build_backend
 from miles.train.prefix_tree import config_sharing_problem, parse_share_prefixes
@@ -386,7 +386,8 @@ def eval_inputs(p: Any, model_path: str) -> tuple[Any, list[EvalSet]]:
     try:
         _, eval_path = _stage_data(p, staging)
         tokenizer = run_tokenizer(p, model_path)
-        eval_sets = read_eval_sets(config, tokenizer, eval_path, context_length(model_path))
+        eval_sets = read_eval_sets(config, tokenizer, eval_path, context_length(model_path),
+                                   ImageEncoder.of(model_path))
         _check_prompt_data(p, tokenizer, [(ds.path or eval_path, es.prompts)
                                           for ds, es in zip(config.eval.datasets, eval_sets)], scored=True)
         return tokenizer, eval_sets
@@ -411,8 +412,10 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
         data_cfg = config.data
         encode = dict(prompt_key=data_cfg.prompt_key, chat_template=data_cfg.chat_template)
         label_key = data_cfg.label_key if config.sft.steps > 0 else None  # SFT needs labels; RL rewards may not
-        train_prompts = encode_rows(read_rows(train_path, data_cfg.prompt_key, label_key), tokenizer,
-                                    label_key=data_cfg.label_key, **encode)
+        images = ImageEncoder.of(model_path)  # None: a text-only model, whose data may hold no images
+        encode["images"] = images
+        train_prompts = encode_rows(read_rows(train_path, data_cfg.prompt_key, label_key, images is not None),
+                                    tokenizer, label_key=data_cfg.label_key, **encode)
         _check_routing(config, model_path)
         _check_share_prefixes(config, model_path)
         check_teacher(config.distill, model_path)
@@ -425,14 +428,14 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
         eval_prompts: list[Prompt] = []
         dropped_eval = 0
         if eval_path and run_cfg.eval_size > 0 and run_cfg.steps > 0:
-            rows = read_rows(eval_path, data_cfg.prompt_key, None)[: run_cfg.eval_size]
+            rows = read_rows(eval_path, data_cfg.prompt_key, None, images is not None)[: run_cfg.eval_size]
             eval_prompts = encode_rows(rows, tokenizer, label_key=data_cfg.label_key, **encode)
             eval_prompts, dropped_eval = _fit_context(eval_prompts, eval_path, room, context, policy)
         for count, path in ((dropped, train_path), (dropped_eval, eval_path)):
             if count:
                 print(f"data: dropped {count} prompt(s) of {path} longer than the context of {context} tokens less "
                       f"max_new_tokens={room} (data.overlong_prompts=drop)", file=sys.stderr)
-        eval_sets = read_eval_sets(config, tokenizer, eval_path, context) if run_cfg.steps > 0 else []
+        eval_sets = read_eval_sets(config, tokenizer, eval_path, context, images) if run_cfg.steps > 0 else []
         unk_prompts = _check_prompt_data(p, tokenizer, [(train_path, train_prompts), (eval_path, eval_prompts)] + [
             (ds.path or eval_path, es.prompts) for ds, es in zip(config.eval.datasets, eval_sets)], run_cfg.steps > 0,
             sft=config.sft.steps > 0 and not config.sft.messages_key)

@@ -123,12 +123,14 @@ def build_chat_model(path: str | Path, seed: int = 0, **build: Any) -> Path:
     return build_tiny_model(path, CHAT_ALPHABET, seed, tokenizer=CHAT_TOKENIZER, **build)
 
 
-VISION_TOKENIZER = {"special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]}
+VISION_TOKENIZER = {"special_tokens": ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>",
+                                       "<|vision_end|>"], "chat_template": "qwen2_vl"}
 
 
 def build_vlm(path: str | Path, alphabet: str = CHAT_ALPHABET, seed: int = 0, **build: Any) -> Path:
     """A tiny random-init Qwen2.5-VL model (a 2-block vision tower; 14-pixel patches, 2x2 merged: a 56x56 image
-    is 4 tokens, at most 112x112: 16) with a char tokenizer holding the vision tokens, and its image processor."""
+    is 4 tokens, at most 112x112: 16) with a char tokenizer holding the vision tokens and the shipped ``qwen2_vl``
+    chat template, and its image processor."""
     build.setdefault("max_position_embeddings", 256)
     return build_tiny_model(path, alphabet, seed, tokenizer=VISION_TOKENIZER, arch="qwen2_5_vl", **build)
 

@@ -26,7 +26,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool = False,
                    entropy_grad: bool = False, *, chunk_tokens: int = 0, kernel: LogprobKernel | str | None = None,
-                   inputs: dict[str, torch.Tensor] | None = None):
+                   inputs: dict[str, torch.Tensor] | None = None, never_generated: list[int] | None = None):
     """``[B, L-1]``: column ``t`` is log p(input_ids[:, t+1] | input_ids[:, :t+1]).
 
     Sequences are right-padded, so causal attention alone keeps padding out of every real token's
@@ -40,19 +40,29 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy
     ``torch`` kernel). The model's output layer must be an ``nn.Linear`` whose result the model returns
     unchanged as its logits (HF causal LMs without logit soft-capping or scaling). ``inputs``: more arguments of
     the model's forward (a vision-language model's positions and pixels, :func:`miles.models.vision.row_inputs`).
+    ``never_generated``: token ids left out of every distribution (a vision-language model's image tokens, as the
+    engine samples without them); a column whose target is one of them (a prompt's image) holds 0, never -inf.
     """
     inputs = inputs or {}
     if chunk_tokens > 0:
+        if never_generated:
+            raise ValueError("logprob_chunk_tokens: the chunked path cannot leave out a vision-language model's "
+                             "image tokens; set backend.logprob_chunk_tokens to 0 for such a model")
         return _chunked(model, input_ids, with_entropy, entropy_grad, chunk_tokens, kernel, inputs)
     logits = model(input_ids=input_ids, **inputs).logits[:, :-1].float()
+    if never_generated:
+        logits = logits.index_fill(-1, torch.tensor(never_generated, device=logits.device), float("-inf"))
     targets = input_ids[:, 1:].unsqueeze(-1)
     log_norm = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, targets).squeeze(-1) - log_norm
+    if never_generated:  # an image token's column is never in a loss; -inf there would make 0 * -inf = nan
+        logprobs = logprobs.masked_fill(torch.isneginf(logprobs), 0.0)
     if not with_entropy:
         return logprobs
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         log_p = logits - log_norm.unsqueeze(-1)
-        return logprobs, -(log_p.exp() * log_p).sum(dim=-1)
+        terms = log_p.exp() * log_p  # 0 * -inf of a left-out token: nan, taken as 0
+        return logprobs, -torch.where(torch.isfinite(log_p), terms, torch.zeros_like(terms)).sum(dim=-1)
 
 
 def _chunked(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool, entropy_grad: bool,

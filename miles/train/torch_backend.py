@@ -98,6 +98,7 @@ class Policy:
         if self.vision is not None:  # multimodal positions, and the pixels of the rows' images
             kwargs["inputs"] = row_inputs(self.vision, input_ids, micro.attention_mask.sum(dim=1).tolist(),
                                           micro.images or [[] for _ in range(len(micro))])
+            kwargs["never_generated"] = self.vision.never_generated
         elif micro.images is not None:
             raise ValueError("the samples hold images, but the model is text-only (its config has no vision tower)")
         with self._autocast():

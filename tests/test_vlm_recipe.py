@@ -6,6 +6,9 @@ import json
 import pytest
 from transformers import AutoModelForImageTextToText
 
+from miles.run.runner import prepare, train
+from test_checkpoint import InterruptAt, rows
+
 
 @pytest.mark.slow
 def test_the_vlm_recipe_learns_to_count_dots(miles_cli, tmp_path):
@@ -25,3 +28,22 @@ def test_the_vlm_recipe_learns_to_count_dots(miles_cli, tmp_path):
     assert max(row["train/rollout_logprob_abs_diff"] for row in steps) < 1e-4  # engine and trainer agree
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "final_model")
     assert model.config.model_type == "qwen2_5_vl" and (tmp_path / "final_model" / "preprocessor_config.json").is_file()
+
+
+def test_an_interrupted_vlm_run_resumes_with_identical_metrics(tmp_path):
+    """The images are read again at resume, each prompt's the same: the resumed run repeats the uninterrupted one
+    bitwise, metrics and final weights."""
+    args = ["sft.steps=5", "run.steps=6", "run.save_every=2", "run.eval_size=8", "run.progress=false",
+            "rollout.prompts_per_step=4", "data.generator.size=200"]
+
+    def run(run_dir, *extra, plugins=()):
+        return train(prepare("configs/vlm.yaml", [*args, f"run.dir={run_dir}", *extra], extra_plugins=plugins))
+
+    run(tmp_path / "whole")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "cut", plugins=[("interrupt", InterruptAt(3))])
+    assert [row["step"] for row in rows(tmp_path / "cut")] == [0, 1, 2]
+    run(tmp_path / "cut", "run.resume=true", plugins=[("interrupt", InterruptAt(-1))])
+    assert rows(tmp_path / "cut") == rows(tmp_path / "whole")
+    weights = [(tmp_path / d / "final_model" / "model.safetensors").read_bytes() for d in ("cut", "whole")]
+    assert weights[0] == weights[1]

@@ -459,6 +459,8 @@ class TorchBackend:
             weights.update(load_file(file))
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+        if unexpected or set(missing) - tied:  # transformers renames some models' weights on save (Qwen2.5-VL)
+            missing, unexpected = self.model.load_state_dict(load_model(path_ / "model").state_dict(), strict=False)
         if unexpected or set(missing) - tied:
             raise ValueError(f"checkpoint {path}: weights do not fit the model (missing {sorted(set(missing) - tied)}, "
                              f"unexpected {sorted(unexpected)})")

@@ -200,6 +200,18 @@ def test_unknown_tokens_from_the_chat_template_are_told_apart(tokenizer):
         check_unknown_tokens(prompts, tokenizer, "t.jsonl", 0.0)
 
 
+def test_unknown_characters_of_a_message_with_parts_are_those_of_its_text_parts(tokenizer):
+    """An image part has no text: the JSON of the parts is not the prompt's text."""
+    tokenizer.chat_template = ("{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'text' %}"
+                               "{{ p['text'] }}{% endif %}{% endfor %}{% endfor %}")
+    parts = [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "1+２="}]}]
+    prompts = encode_rows(Rows([{"prompt": parts}], [1]), tokenizer, prompt_key="prompt", label_key="label",
+                          chat_template="auto")
+    with pytest.raises(DataError) as err:
+        check_unknown_tokens(prompts, tokenizer, "t.jsonl", 0.0)
+    assert "'２' (U+FF12)" in str(err.value) and "'{'" not in str(err.value) and "'['" not in str(err.value)
+
+
 def test_tokenizers_that_encode_any_text_never_report_unknown_tokens(tokenizer):
     from miles.models.vocabularies import build_bpe_tokenizer
 

@@ -309,12 +309,20 @@ def check_unknown_tokens(prompts: Sequence[Prompt], tokenizer: Any, path: str | 
 def _unknown_characters(prompt: Any, tokenizer: Any, unk: int, limit: int = 5) -> str:
     """The characters of a prompt's text that the tokenizer cannot encode, each with its code point."""
     text = prompt if isinstance(prompt, str) else " ".join(
-        str(m.get("content") or "") if isinstance(m, dict) else str(m) for m in prompt)
+        _content_text(m.get("content")) if isinstance(m, dict) else str(m) for m in prompt)
     unknown = [c for c in dict.fromkeys(text) if unk in tokenizer(c, add_special_tokens=False)["input_ids"]]
     if not unknown:
         return "its text encodes, the chat template's does not (model.chat_template, data.chat_template)"
     shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in unknown[:limit])
     return shown + (f" and {len(unknown) - limit} more" if len(unknown) > limit else "")
+
+
+def _content_text(content: Any) -> str:
+    """A message's text: its content, or the text of its text parts (an image part has none)."""
+    if isinstance(content, list):
+        return " ".join(str(part.get("text") or "") for part in content
+                        if isinstance(part, dict) and part.get("type") == "text")
+    return str(content or "")
 
 
 class PromptSource:

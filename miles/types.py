@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,16 +125,17 @@ class Sample:
         merged[observation] = NO_EXPERT
         self.routed_experts = compact(merged)
 
-    def split(self, prompt_ids: list[int], reason: str) -> None:
+    def split(self, prompt_ids: list[int], reason: str, images: Sequence[ProcessedImage] = ()) -> None:
         """End the trajectory's current part as a segment and go on from ``prompt_ids`` (the history as the
-        template renders it now) with an empty response."""
+        template renders it now, holding ``images``) with an empty response."""
         segment = Sample(prompt_ids=self.prompt_ids, group_index=self.group_index, index=self.index, prompt=self.prompt,
                          label=self.label, response_ids=self.response_ids, loss_mask=self.loss_mask,
                          rollout_logprobs=self.rollout_logprobs, status=SampleStatus.COMPLETED, reason=reason,
                          weight_versions=list(self.weight_versions), off_policy_tokens=self.off_policy_tokens,
-                         turns=self.turns, routed_experts=self.routed_experts)
+                         turns=self.turns, routed_experts=self.routed_experts, images=self.images)
         self.segments.append(segment)
         self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs = list(prompt_ids), [], [], []
+        self.images = list(images)
         self.off_policy_tokens, self.routed_experts = 0, None
 
     def truncate_response(self, length: int) -> None:

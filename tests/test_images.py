@@ -17,7 +17,8 @@ import miles.models.images as images
 from miles.errors import DataError
 from miles.models.images import ImageProblem, image_refs, load_image
 from miles.models.hf import load_tokenizer
-from miles.rollout.data_source import ImageEncoder, encode_rows, read_rows
+from miles.models.vision import ImageEncoder
+from miles.rollout.data_source import encode_rows, read_rows
 
 MODES = ["1", "L", "P", "RGB", "RGBA", "CMYK", "YCbCr", "LA", "PA", "I", "I;16", "F", "LAB", "HSV", "RGBX"]
 FORMATS = ["PNG", "JPEG", "WEBP", "TIFF", "GIF", "BMP"]
@@ -113,8 +114,8 @@ def test_an_image_too_large_to_decode_is_refused_before_decoding(tmp_path, monke
     ("https://example.com/a.png", "web URLs are not fetched"),
     ("data:image/png,abc", r"expected data:image/...;base64,<base64 of the file>"),
     ("data:image/png;base64,@@@", "data URL: not valid base64"),
-    (7, "expected an image as a path, a data: URL or base64 text, got 7"),
-    ("", "expected an image as a path, a data: URL or base64 text, got ''"),
+    (7, r"expected an image as a path, a data: URL, base64 text or \(from an environment\) a PIL image, got 7"),
+    ("", r"expected an image as a path, a data: URL, base64 text or \(from an environment\) a PIL image, got ''"),
     (None, "got None"),
     ("aGVsbG8gd29ybGQ=", r"base64 image \(16 characters\): not an image file"),
 ])

@@ -7,6 +7,10 @@ that closed the policy's last turn in the rendered history (or, for a family who
 opens the next message, right after that token). A template that changes what it rendered for earlier
 messages up to that point when new ones arrive (not append-only) is detected and reported with the
 message and the first token that differs; what follows is ``rollout.tito.on_mismatch``'s choice.
+
+A vision-language model's messages may hold images (:mod:`miles.models.images`): the template renders each as one
+image span, which the conversation widens to the image's tokens (:class:`~miles.models.vision.ImageEncoder`);
+:attr:`Conversation.images` holds every image of its tokens, in order.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Any
 
 from miles.agentic.chat_format import BoundFormat, for_tokenizer
 from miles.agentic.types import Message
+from miles.models.images import ImageProblem, image_refs
+from miles.models.vision import ImageEncoder, ProcessedImage, expand_images
 
 __all__ = ["Conversation", "NotAppendOnly", "normalize_messages"]
 
@@ -53,18 +59,24 @@ class Conversation:
     turn, :meth:`add_policy_turn` records the message that the generated tokens stand for (and the last
     generated token), and :meth:`extend` returns the tokens of the next messages plus the next generation
     prompt.
+
+    ``images``: a vision-language model's encoder (None: messages may hold no images); ``held``: the first
+    messages' images as already read (a data file's, whose relative paths only its reader can resolve).
     """
 
-    def __init__(self, fmt: BoundFormat | Any, messages: list[Message],
-                 tools: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, fmt: BoundFormat | Any, messages: list[Message], tools: list[dict[str, Any]] | None = None,
+                 images: ImageEncoder | None = None, held: list[ProcessedImage] | tuple[ProcessedImage, ...] = ()
+                 ) -> None:
         if not isinstance(fmt, BoundFormat):  # a tokenizer: the builtin format it speaks, with its own template
             fmt = for_tokenizer(fmt)
         self.format, self.tokenizer, self.tools = fmt, fmt.tokenizer, tools or None
         self.messages: list[Message] = list(messages)
+        self.encoder, self.images = images, list[ProcessedImage]()
         self.policy_turns = 0
         self._last_token: int | None = None  # the last token the policy generated in its last turn
         self._cut = False  # whether that turn stopped at its token limit
-        self.prompt_ids = self.encode(self.render(self.messages, generation_prompt=True))
+        ids = self.encode(self.render(self.messages, generation_prompt=True))
+        self.prompt_ids = self._widen(ids, self._read(self.messages, 0, list(held) or None))
 
     @property
     def eot_text(self) -> str:
@@ -126,14 +138,55 @@ class Conversation:
         if (self._last_token is not None and self._last_token in self.format.next_role_ids and start == cut
                 and self.messages and self.messages[-1].get("role") == "assistant"):
             raise self._mismatch(before[:cut] + self.format.token_text(self._last_token), after, new_messages)
+        new_images = self._read(new_messages, len(self.messages))
+        ids = self._widen(self.encode(after[start:]), new_images)
         self.messages.extend(new_messages)
-        return self.encode(after[start:])
+        return ids
 
     def resync(self, new_messages: list[Message], generation_prompt: bool = True) -> list[int]:
         """Add ``new_messages`` after a mismatch and return every token of the conversation as rendered now
         (prompt included), for a trajectory that re-tokenizes or starts a new sample."""
+        new_images = self._read(new_messages, len(self.messages))
         self.messages.extend(new_messages)
-        return self.encode(self.render(self.messages, generation_prompt=generation_prompt))
+        held, self.images = self.images, []  # the rendering holds them all: the images so far, then the new ones
+        return self._widen(self.encode(self.render(self.messages, generation_prompt=generation_prompt)),
+                           held + new_images)
+
+    def _read(self, messages: list[Message], first: int, held: list[ProcessedImage] | None = None
+              ) -> list[ProcessedImage]:
+        """The images of ``messages`` (the conversation's from message ``first`` on), read (``held``: as read
+        already). An :class:`ImageProblem` names the message and image that cannot be read, or says that the
+        model takes no images."""
+        refs = image_refs(messages)
+        if not refs:
+            return []
+        if self.encoder is None:
+            where = next(first + i for i, m in enumerate(messages) if image_refs([m]))
+            raise ImageProblem(f"message {where} ({messages[where - first].get('role')}) holds an image and the "
+                               f"model is text-only (its config has no vision tower)")
+        if held is not None and len(held) == len(refs):
+            return held
+        images = []
+        for i, message in enumerate(messages):
+            for number, ref in enumerate(image_refs([message]), 1):
+                try:
+                    images.append(self.encoder.load(ref))
+                except ImageProblem as exc:
+                    raise ImageProblem(f"message {first + i} ({message.get('role')}), image {number}: {exc}") from None
+        return images
+
+    def _widen(self, ids: list[int], images: list[ProcessedImage]) -> list[int]:
+        """``ids`` (rendered) with each image span widened to its image's tokens; the images join
+        :attr:`images`. A ValueError says when the template did not render one span per image."""
+        if self.encoder is None:
+            return ids
+        try:
+            widened, _ = expand_images(ids, self.encoder.spec, images)
+        except ValueError as exc:
+            raise ValueError(f"the chat template's rendering does not hold one image span per image part: {exc}"
+                             ) from None
+        self.images += images
+        return widened
 
     def _mismatch(self, expected: str, after: str, new_messages: list[Message]) -> NotAppendOnly:
         old, new = self.encode(expected), self.encode(after)

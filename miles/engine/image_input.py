@@ -4,20 +4,25 @@
 (:mod:`miles.models.vision`): a path (absolute, or relative to the engine's working directory), a ``file://`` URL,
 a data URL or bare base64 of the file's bytes, read and checked by :func:`miles.models.images.load_image` (web
 URLs are refused: the engine reads nothing from the network). A span holds one ``<|image_pad|>`` token, widened
-here to the image's count, or that count already.
+here to the image's count, or that count already. Processed images are kept by what names them
+(:class:`ImageCache`): a multi-turn trajectory sends its history's images with every turn, and the ``n`` samples
+of a prompt send the same ones.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from miles.engine.request import Request
 from miles.models.images import ImageProblem, load_image
-from miles.models.vision import VisionSpec, cache_key, expand_images, mrope_positions, process_image
+from miles.models.vision import ProcessedImage, VisionSpec, cache_key, expand_images, mrope_positions, process_image
 
-__all__ = ["MAX_IMAGES", "attach_images", "image_list", "prefill_vision_inputs"]
+__all__ = ["MAX_IMAGES", "ImageCache", "attach_images", "image_list", "prefill_vision_inputs"]
 
 MAX_IMAGES = 64  # per prompt
 
@@ -33,22 +38,62 @@ def image_list(image_data: Any) -> list[str]:
     return refs
 
 
-def attach_images(request: Request, image_data: Any, vision: VisionSpec | None, processor: Any) -> None:
+class ImageCache:
+    """Images as the model's ``processor`` made them, by reference, the most recently used kept up to ``max_bytes``
+    of pixels. A path is known by its name, modification time and size (a file written again is read again); any
+    other reference by its text."""
+
+    def __init__(self, processor: Any, max_bytes: int = 256 << 20) -> None:
+        self.processor, self.max_bytes = processor, max_bytes
+        self._held: OrderedDict[tuple[bytes, int, int], ProcessedImage] = OrderedDict()
+        self._bytes = 0
+        self.hits = self.misses = 0
+
+    def get(self, ref: str) -> ProcessedImage:
+        """The image ``ref`` names, processed (an :class:`ImageProblem` says why it cannot be read)."""
+        key = self._key(ref)
+        image = self._held.get(key)
+        if image is not None:
+            self._held.move_to_end(key)
+            self.hits += 1
+            return image
+        self.misses += 1
+        image = process_image(self.processor, load_image(ref).image, ref)
+        size = image.pixel_values.nbytes
+        if size <= self.max_bytes:
+            self._held[key] = image
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                self._bytes -= self._held.popitem(last=False)[1].pixel_values.nbytes
+        return image
+
+    @staticmethod
+    def _key(ref: str) -> tuple[bytes, int, int]:
+        digest = hashlib.blake2b(ref.encode(), digest_size=16).digest()
+        if len(ref) < 4096:
+            try:
+                stat = os.stat(ref.removeprefix("file://"))
+                return digest, stat.st_mtime_ns, stat.st_size
+            except (OSError, ValueError):
+                pass
+        return digest, 0, 0
+
+
+def attach_images(request: Request, image_data: Any, vision: VisionSpec | None, images_of: ImageCache | None) -> None:
     """Read ``image_data`` (None: no images) into ``request``: its prompt widened, its images, positions and
     cache key. A text prompt to a vision-language model gets plain positions; images to a text-only model are a
     ValueError."""
     refs = [] if image_data is None else image_list(image_data)
-    if vision is None:
+    if vision is None or images_of is None:
         if refs:
             raise ValueError("image_data: this model takes no images (its config has no vision tower)")
         return
     images = []
     for k, ref in enumerate(refs):
         try:
-            loaded = load_image(ref)
+            images.append(images_of.get(ref))
         except ImageProblem as exc:
             raise ValueError(f"image_data[{k}]: {exc}") from exc
-        images.append(process_image(processor, loaded.image, ref))
     request.prompt, request.spans = expand_images(request.prompt, vision, images)
     request.images = images
     request.positions, request.delta = mrope_positions(len(request.prompt), request.spans, images, vision.merge)

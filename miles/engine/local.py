@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from miles.engine.batcher import ContinuousBatcher
-from miles.engine.image_input import attach_images
+from miles.engine.image_input import ImageCache, attach_images
 from miles.engine.request import Request
 from miles.engine.sampling import SamplingParams, shown
 from miles.models.hf import load_image_processor, load_model, load_tokenizer
@@ -97,6 +97,7 @@ class LocalEngine:
         if self.vision is not None and self.image_processor is None:
             raise ValueError(f"{path}: a vision-language model needs its image processor "
                              f"(preprocessor_config.json) in the model directory")
+        self.image_cache = ImageCache(self.image_processor) if self.image_processor is not None else None
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if self.batcher is not None:
             self.batcher.close()
@@ -330,7 +331,7 @@ class LocalEngine:
             raise ValueError("sampling_params.n: one call returns one sample; send n requests (or use the server)")
         self._check_prompt(input_ids)
         request = Request(list(input_ids), params, _unscheduled)
-        attach_images(request, image_data, self.vision, self.image_processor)  # may widen the prompt
+        attach_images(request, image_data, self.vision, self.image_cache)  # may widen the prompt
         if request.images and self.exact_logprobs:
             raise ValueError("image_data: exact log-probs (rollout.true_on_policy) cover text-only prompts")
         if len(request.prompt) >= self.context_length:

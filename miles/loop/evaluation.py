@@ -56,7 +56,7 @@ class EvalSet:
 def read_eval_sets(config: Any, tokenizer: Any, eval_path: str | None, context: int,
                    images: Any = None) -> list[EvalSet]:
     """The ``eval.datasets`` of ``config``, read and encoded like the training data (``images``: a vision-language
-    model's :class:`miles.rollout.data_source.ImageEncoder`). ``eval_path``: the data's held-out file
+    model's :class:`miles.models.vision.ImageEncoder`). ``eval_path``: the data's held-out file
     (``data.eval_path`` or the generator's eval split), used by datasets without a path.
     Prompts that leave no room for the dataset's ``max_new_tokens`` are an error naming the dataset."""
     data_cfg, sets = config.data, []

@@ -7,7 +7,8 @@ A message's ``content`` may be a list of parts, as OpenAI's API and HF chat temp
 
 - a path, relative to the data file's folder (or absolute), or a ``file://`` URL;
 - a data URL, ``data:image/png;base64,...``;
-- bare base64 of an image file's bytes.
+- bare base64 of an image file's bytes;
+- in an environment's observation (never in a data file), a ``PIL.Image.Image``.
 
 Web URLs are refused: a run reads nothing from the network. Every image is decoded whole when it is read (a
 truncated or corrupt file is an error, never half an image), and then:
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ImageProblem", "LoadedImage", "MAX_DECODE_PIXELS", "MAX_PIXELS", "image_parts", "image_refs",
-           "load_image"]
+__all__ = ["ImageProblem", "LoadedImage", "MAX_DECODE_PIXELS", "MAX_PIXELS", "content_text", "image_parts",
+           "image_refs", "load_image"]
 
 MAX_PIXELS = 1280 * 28 * 28  # about a megapixel: Qwen2.5-VL's processor's usual max_pixels in RL recipes
 MIN_SIDE = 4
@@ -67,6 +68,14 @@ def image_parts(message: Any) -> Iterator[dict[str, Any]]:
             yield part
 
 
+def content_text(content: Any, sep: str = "") -> str:
+    """A message's text: its content, or its text parts' texts joined by ``sep`` (an image part has none)."""
+    if isinstance(content, list):
+        return sep.join(str(part.get("text") or "") for part in content
+                        if isinstance(part, dict) and part.get("type") == "text")
+    return str(content or "")
+
+
 def image_refs(prompt: Any) -> list[Any]:
     """Every image a prompt (text, or a list of chat messages) names, in order: each part's ``REF`` (None where
     an image part names none)."""
@@ -89,6 +98,8 @@ def load_image(ref: Any, base_dir: str | Path | None = None, *, max_pixels: int 
     :class:`ImageProblem` says why one cannot be."""
     from PIL import Image
 
+    if isinstance(ref, Image.Image):  # made by an environment: already decoded
+        return _fit(_rgb(ref), "an image object", min_side, max_pixels)
     data, source = _read(ref, base_dir)
     try:
         with Image.open(io.BytesIO(data)) as opened:
@@ -108,6 +119,13 @@ def load_image(ref: Any, base_dir: str | Path | None = None, *, max_pixels: int 
     except (OSError, ValueError, SyntaxError) as exc:  # PIL's errors for files it cannot identify or decode
         raise ImageProblem(f"{source}: not a readable image ({exc}); expected a PNG, JPEG, WebP, GIF or BMP "
                            f"file") from None
+    return _fit(image, source, min_side, max_pixels)
+
+
+def _fit(image: Any, source: str, min_side: int, max_pixels: int) -> LoadedImage:
+    """``image`` (RGB) checked against ``min_side`` and scaled down to ``max_pixels``."""
+    from PIL import Image
+
     if min(image.size) < min_side:
         raise ImageProblem(f"{source}: {image.size[0]}x{image.size[1]} pixels; expected at least {min_side} on "
                            f"each side")
@@ -123,7 +141,8 @@ def load_image(ref: Any, base_dir: str | Path | None = None, *, max_pixels: int 
 def _read(ref: Any, base_dir: str | Path | None) -> tuple[bytes, str]:
     """The bytes ``ref`` names and how to name it in messages."""
     if not isinstance(ref, str) or not ref.strip():
-        raise ImageProblem(f"expected an image as a path, a data: URL or base64 text, got {_shown(ref)}")
+        raise ImageProblem(f"expected an image as a path, a data: URL, base64 text or (from an environment) a "
+                           f"PIL image, got {_shown(ref)}")
     if ref.startswith("data:"):
         header, sep, payload = ref.partition(",")
         if not sep or not header.endswith(";base64"):

@@ -27,12 +27,15 @@ import base64
 import hashlib
 import io
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["ProcessedImage", "VisionSpec", "cache_key", "expand_images", "image_spans", "mrope_positions",
-           "process_image", "row_inputs", "vision_spec", "vision_tower"]
+from miles.models.images import load_image
+
+__all__ = ["ImageEncoder", "ProcessedImage", "VisionSpec", "cache_key", "expand_images", "image_spans",
+           "mrope_positions", "process_image", "row_inputs", "vision_spec", "vision_tower"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,43 @@ def process_image(processor: Any, image: Any, ref: str | None = None) -> Process
         image.save(buffer, format="PNG")
         ref = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
     return ProcessedImage(pixels, grid, digest, ref)  # type: ignore[arg-type]
+
+
+class ImageEncoder:
+    """A vision-language model's images for prompts and observations: each read
+    (:func:`miles.models.images.load_image`), made into the vision tower's input by the model's image processor, and
+    its span of the tokens widened to its count."""
+
+    def __init__(self, spec: VisionSpec, processor: Any) -> None:
+        self.spec, self.processor = spec, processor
+
+    @classmethod
+    def of(cls, model_path: str | Path) -> "ImageEncoder | None":
+        """The encoder of the model directory ``model_path``; None for a text-only model."""
+        from transformers import AutoConfig
+
+        from miles.models.hf import load_image_processor
+
+        spec = vision_spec(AutoConfig.from_pretrained(model_path))
+        return None if spec is None else cls(spec, load_image_processor(model_path))
+
+    def load(self, ref: Any, folder: str | Path | None = None) -> ProcessedImage:
+        """The image ``ref`` names (a relative path from ``folder``), processed. Its ``ref`` is what an engine is
+        sent: the file's absolute path, the data as it was given, or a PNG data URL of an image object."""
+        loaded = load_image(ref, folder)
+        if not isinstance(ref, str):
+            return process_image(self.processor, loaded.image)
+        path = Path(loaded.source)
+        if path.is_file():
+            return process_image(self.processor, loaded.image, str(path.resolve()))
+        data_url = ref if ref.startswith("data:") else "data:image/png;base64," + "".join(ref.split())
+        return process_image(self.processor, loaded.image, data_url)
+
+    def encode(self, ids: list[int], refs: list[Any], folder: str | Path | None = None) -> tuple[
+            list[int], tuple[ProcessedImage, ...]]:
+        """``ids`` widened, and the images ``refs`` name (relative paths from ``folder``), one per image span."""
+        images = tuple(self.load(ref, folder) for ref in refs)
+        return expand_images(ids, self.spec, list(images))[0], images
 
 
 def image_spans(ids: list[int], spec: VisionSpec) -> list[tuple[int, int]]:

@@ -27,6 +27,7 @@ from miles.hookspecs import (BackgroundEngine, CheckedSandbox, ClosingRolloutFn,
                              DiskTransportSwitch, HostedSandbox, MemorySaverLauncher, ProtocolLauncher,
                              RoutedExpertsLauncher, is_server_launcher, takes_option)
 from miles.models.hf import context_length
+from miles.models.vision import ImageEncoder
 from miles.rollout.context import RolloutContext
 from miles.rollout.plane import RolloutPlane
 
@@ -145,7 +146,7 @@ def rollout_context(p: Any, plane: RolloutPlane, tokenizer: Any, model_path: str
     ctx = RolloutContext(
         engine=plane.client, tokenizer=tokenizer, run=plane.run, context_length=context_length(model_path),
         sampling_params=OmegaConf.to_container(rollout.sampling), tool_parser=tool_parser, chat_format=chat_format,
-        tito_on_mismatch=str(rollout.tito.on_mismatch), seed=seed,
+        tito_on_mismatch=str(rollout.tito.on_mismatch), seed=seed, images=ImageEncoder.of(model_path),
         tool=lambda name: resolve_tool(p.registry, name, "rollout.env.tools"), **fields)
     if rollout.env is not None:
         ctx.env = p.build("env", "rollout.env")

@@ -27,6 +27,7 @@ class RolloutContext:
     # Set by the collector once a partial-rollout batch is full: trajectories stop before their next turn.
     abort_requested: bool = False
     return_routed_experts: bool = False  # rollout.return_routed_experts: ask the engine for each token's expert ids
+    images: Any = None  # a vision-language model's miles.models.vision.ImageEncoder (None: text only)
 
     @property
     def generate_options(self) -> dict[str, Any]:

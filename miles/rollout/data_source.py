@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from miles.errors import DataError
-from miles.models.images import MAX_PIXELS, ImageProblem, image_refs, load_image
-from miles.models.vision import ProcessedImage, VisionSpec, expand_images, process_image, vision_spec
+from miles.models.images import MAX_PIXELS, ImageProblem, content_text, image_refs, load_image
+from miles.models.vision import ImageEncoder, ProcessedImage
 from miles.rewards.labels import LabelNeed, is_empty_label, label_problem, show_label
 
-__all__ = ["ImageEncoder", "Prompt", "PromptSource", "Rows", "check_images", "check_labels", "check_unknown_tokens",
+__all__ = ["Prompt", "PromptSource", "Rows", "check_images", "check_labels", "check_unknown_tokens",
            "encode_prompt", "encode_rows", "read_rows", "unknown_token_id", "where_in_file"]
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -187,41 +187,6 @@ def encode_rows(rows: list[dict[str, Any]], tokenizer: Any, *, prompt_key: str, 
     return prompts
 
 
-class ImageEncoder:
-    """A vision-language model's images for prompts: each read (:func:`miles.models.images.load_image`), made into
-    the vision tower's input by the model's image processor, and its span of the prompt widened to its tokens."""
-
-    def __init__(self, spec: VisionSpec, processor: Any) -> None:
-        self.spec, self.processor = spec, processor
-
-    @classmethod
-    def of(cls, model_path: str | Path) -> "ImageEncoder | None":
-        """The encoder of the model directory ``model_path``; None for a text-only model."""
-        from transformers import AutoConfig
-
-        from miles.models.hf import load_image_processor
-
-        spec = vision_spec(AutoConfig.from_pretrained(model_path))
-        return None if spec is None else cls(spec, load_image_processor(model_path))
-
-    def encode(self, ids: list[int], refs: list[Any], folder: Path | None) -> tuple[list[int],
-                                                                                  tuple[ProcessedImage, ...]]:
-        """``ids`` widened, and the images ``refs`` name (relative paths from ``folder``)."""
-        images = []
-        for ref in refs:
-            loaded = load_image(ref, folder)
-            path = Path(loaded.source)
-            # the engine is sent the file's absolute path, or the data as it was given
-            images.append(process_image(self.processor, loaded.image,
-                                        str(path.resolve()) if path.is_file() else _data_url(ref)))
-        widened, _ = expand_images(ids, self.spec, images)
-        return widened, tuple(images)
-
-
-def _data_url(ref: str) -> str:
-    return ref if ref.startswith("data:") else "data:image/png;base64," + "".join(ref.split())
-
-
 # -- checks before a run starts -------------------------------------------------------------------------------
 
 
@@ -309,20 +274,12 @@ def check_unknown_tokens(prompts: Sequence[Prompt], tokenizer: Any, path: str | 
 def _unknown_characters(prompt: Any, tokenizer: Any, unk: int, limit: int = 5) -> str:
     """The characters of a prompt's text that the tokenizer cannot encode, each with its code point."""
     text = prompt if isinstance(prompt, str) else " ".join(
-        _content_text(m.get("content")) if isinstance(m, dict) else str(m) for m in prompt)
+        content_text(m.get("content"), " ") if isinstance(m, dict) else str(m) for m in prompt)
     unknown = [c for c in dict.fromkeys(text) if unk in tokenizer(c, add_special_tokens=False)["input_ids"]]
     if not unknown:
         return "its text encodes, the chat template's does not (model.chat_template, data.chat_template)"
     shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in unknown[:limit])
     return shown + (f" and {len(unknown) - limit} more" if len(unknown) > limit else "")
-
-
-def _content_text(content: Any) -> str:
-    """A message's text: its content, or the text of its text parts (an image part has none)."""
-    if isinstance(content, list):
-        return " ".join(str(part.get("text") or "") for part in content
-                        if isinstance(part, dict) and part.get("type") == "text")
-    return str(content or "")
 
 
 class PromptSource:

@@ -106,13 +106,15 @@ class MultiTurn:
 
     async def _start(self, trajectory: _Trajectory, sample: Sample, ctx: RolloutContext) -> None:
         env = trajectory.env
-        first = normalize_messages(await env.reset(sample), role="user")
-        if not first:
-            first = normalize_messages(sample.prompt, role="user")
+        first, held = normalize_messages(await env.reset(sample), role="user"), ()
+        if not first:  # the sample's prompt, whose images the data reader read
+            first, held = normalize_messages(sample.prompt, role="user"), tuple(sample.images)
         trajectory.tools = list(getattr(env, "tools", None) or [])
         fmt = ctx.chat_format if ctx.chat_format is not None else ctx.tokenizer
-        trajectory.conversation = Conversation(fmt, first, trajectory.tools if self.tools_in_prompt else None)
+        trajectory.conversation = Conversation(fmt, first, trajectory.tools if self.tools_in_prompt else None,
+                                               images=ctx.images, held=held)
         sample.prompt_ids = list(trajectory.conversation.prompt_ids)
+        sample.images = list(trajectory.conversation.images)
         sample.metadata["tools"] = dict.fromkeys(TOOL_STATS, 0)
         sample.metadata["exec_s"] = []
         sample.metadata["tito"] = dict.fromkeys(TITO_STATS, 0)
@@ -146,8 +148,9 @@ class MultiTurn:
                 return False
             stop_ids = conversation.format.request_stop_ids(ctx.sampling_params.get("stop_token_ids", ()))
             params = {**ctx.sampling_params, "max_new_tokens": budget, "stop_token_ids": stop_ids}
+            images = {"image_data": [image.ref for image in sample.images]} if sample.images else {}
             answer = await ctx.engine.generate(sample.prompt_ids + sample.response_ids, params, return_logprob=True,
-                                               **ctx.generate_options)
+                                               **ctx.generate_options, **images)
             meta = answer["meta_info"]
             start = len(sample.response_ids)
             sample.append(list(answer["output_ids"]), [float(t[0]) for t in meta["output_token_logprobs"]],
@@ -211,6 +214,7 @@ class MultiTurn:
                                                 f"{limit} by the observation after turn {sample.turns}")
                 return False
             sample.append(observation, None, from_policy=False)
+            sample.images = list(conversation.images)  # the observation's images join the history's
             trajectory.turn_start = len(sample.response_ids)
 
     @staticmethod
@@ -226,7 +230,8 @@ class MultiTurn:
         rendered = conversation.resync(messages)
         if on_mismatch == "split":
             stats["splits"] += 1
-            sample.split(rendered, reason=f"rollout.tito: split after turn {sample.turns}: {exc}")
+            sample.split(rendered, reason=f"rollout.tito: split after turn {sample.turns}: {exc}",
+                         images=conversation.images)
             return []
         held = sample.prompt_ids + sample.response_ids
         same = next((i for i, (a, b) in enumerate(zip(held, rendered)) if a != b), min(len(held), len(rendered)))
@@ -235,6 +240,7 @@ class MultiTurn:
             return None
         stats["retokenized_tokens"] += len(held) - same
         sample.truncate_response(same - len(sample.prompt_ids))
+        sample.images = list(conversation.images)  # the rendering's: kept and re-rendered images alike
         return rendered[same:]
 
     @staticmethod

@@ -30,8 +30,8 @@ from miles.hookspecs import LoraEngine, uses_ray
 from miles.loop.evaluation import EvalSet, read_eval_sets
 from miles.models.hf import build_model_dir, context_length, load_tokenizer, read_chat_template
 from miles.rewards.labels import LabelNeed, label_need
-from miles.rollout.data_source import (ImageEncoder, Prompt, check_labels, check_unknown_tokens, encode_rows, read_rows,
-                                       where_in_file)
+from miles.models.vision import ImageEncoder
+from miles.rollout.data_source import Prompt, check_labels, check_unknown_tokens, encode_rows, read_rows, where_in_file
 from miles.train.assemble import build_backend
 from miles.train.prefix_tree import config_sharing_problem, parse_share_prefixes
 

@@ -63,7 +63,7 @@ class Agent:
         shared = self._servers.get(key)
         if shared is None:
             server = SessionServer(ctx.engine, ctx.tokenizer, ctx.tool_parser or HermesParser(), ctx.sampling_params,
-                                   ctx.context_length, chat_format=ctx.chat_format)
+                                   ctx.context_length, chat_format=ctx.chat_format, images=ctx.images)
             shared = self._servers[key] = _Shared(server, asyncio.ensure_future(server.start()))
         shared.users += 1
         session = None
@@ -107,6 +107,7 @@ def _fill(sample: Sample, session: Session, error: str | None) -> None:
     sample.prompt_ids = list(session.prompt_ids)
     sample.response_ids, sample.loss_mask = list(session.response_ids), list(session.loss_mask)
     sample.rollout_logprobs, sample.weight_versions = list(session.logprobs), list(session.weight_versions)
+    sample.images = list(session.images)
     sample.turns, sample.response_text = session.turns, session.last_text
     sample.metadata["tools"] = dict(session.tool_stats)
     if session.status == "truncated" or overflowed:

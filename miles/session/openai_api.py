@@ -2,7 +2,8 @@
 how messages are normalised before a session compares them with the ones it holds, and the answer's shape.
 
 A message is normalised so that what the OpenAI client sends back equals what the server answered:
-fields that are null are dropped, ``content`` null or missing is ``""`` (a list of text parts is joined),
+fields that are null are dropped, ``content`` null or missing is ``""`` (a list of text parts is joined; a list
+holding image parts stays a list, each image part as ``{"type": "image_url", "image_url": {"url": URL}}``),
 an empty or null ``tool_calls`` is dropped, and a call's ``arguments`` (a string, as in OpenAI's schema) is
 parsed to the object when it is JSON (a string that is not JSON stays a string), its ``type`` defaults to
 ``function``.
@@ -157,7 +158,7 @@ def normalize_message(message: Any, where: str) -> Message:
     for key in ("audio", "function_call"):  # an echoed answer's fields (null from the OpenAI client)
         _expect(message.get(key), dict, f"{where}.{key}", optional=True)
     out = {k: v for k, v in message.items() if v is not None}
-    out["content"] = _text(message.get("content"), f"{where}.content")
+    out["content"] = _content(message.get("content"), f"{where}.content")
     calls = out.pop("tool_calls", None)
     calls = [] if calls is None else calls
     if not isinstance(calls, list):
@@ -247,18 +248,31 @@ def completion_answer(*, completion_id: str, model: str, message: Message, finis
     }
 
 
-def _text(content: Any, where: str) -> str:
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content, normalised: its text, or (when it holds images) its text and image parts in order."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list):
-        for i, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                got = _show(part) if isinstance(part, dict) else _json_type(part)
-                raise ApiError(400, f'{where}[{i}]: expected a text part {{"type": "text", "text": "..."}} (this '
-                                    f'server reads text only), got {got}', param=f"{where}[{i}]")
-        return "".join(p["text"] for p in content)
-    raise ApiError(400, f'{where}: expected a string or an array of text parts ({{"type": "text", "text": ...}}), '
-                        f'got {_json_type(content)}', param=where)
+    if not isinstance(content, list):
+        raise ApiError(400, f'{where}: expected a string or an array of content parts ({{"type": "text", "text": '
+                            f'...}} or {{"type": "image_url", "image_url": {{"url": ...}}}}), got '
+                            f'{_json_type(content)}', param=where)
+    parts = [_part(part, f"{where}[{i}]") for i, part in enumerate(content)]
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _part(part: Any, where: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    url = part.get("image_url") if kind == "image_url" else None
+    if isinstance(url, dict) and isinstance(url.get("url"), str) and url.get("detail") in (None, "auto", "low", "high"):
+        return {"type": "image_url", "image_url": {"url": url["url"]}}  # detail: the engine sees the image as is
+    got = _show(part) if isinstance(part, dict) else _json_type(part)
+    raise ApiError(400, f'{where}: expected a text part {{"type": "text", "text": "..."}} or an image part '
+                        f'{{"type": "image_url", "image_url": {{"url": "data:image/png;base64,..."}}}} (detail auto, '
+                        f'low or high), got {got}', param=where)
 
 
 def _call(call: Any, where: str) -> dict[str, Any]:

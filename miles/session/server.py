@@ -12,6 +12,11 @@ a prefix of its next prompt. A request must therefore repeat the session's messa
 the first one that changed) and keep its ``tools``. Generated tokens keep the engine's log-probs and weight
 version (loss mask 1); the new messages' tokens have loss mask 0 and log-prob 0.0.
 
+A vision-language model's messages may hold OpenAI image parts (``{"type": "image_url", "image_url": {"url":
+"data:image/png;base64,..."}}``; a path or bare base64 too, never a web URL): each is read, widened to its tokens
+and sent to the engine with every later prompt of the session (``image_data``); a bad image is a 400 naming the
+message and image, images for a text-only model a 400 saying so.
+
 A prompt that leaves no room in the context for one generated token is refused (400
 ``context_length_exceeded``, naming both lengths; the session stays as it was), before it is tokenized when
 its characters alone prove it; a generation that stops at the context length ends the session's trajectory
@@ -47,6 +52,8 @@ from miles.agentic.chat import Conversation, NotAppendOnly
 from miles.agentic.turns import turn_source
 from miles.agentic.types import Message
 from miles.engine.http_guard import LOOPBACK, POLICY, Policy, Refused, error_answer, guard, json_answer, json_body
+from miles.models.images import ImageProblem, content_text
+from miles.models.vision import ImageEncoder
 from miles.session.state import Session, running
 from miles.session.openai_api import (
     ApiError, ChatRequest, assistant_turn, check_depth, completion_answer, first_difference, parse_chat_request,
@@ -78,18 +85,18 @@ class SessionServer:
     in SGLang's shape; with ``rid=`` and an ``abort(rid)``, a request whose client disconnects is aborted there).
     ``sampling_params`` are the defaults of every generation (a request's ``temperature`` and ``top_p`` replace
     them; its ``max_tokens`` can lower ``max_new_tokens``, never raise it); ``context_length`` defaults to the
-    engine's."""
+    engine's; ``images``: a vision-language model's image encoder (None: messages may hold no images)."""
 
     def __init__(self, engine: Any, tokenizer: Any, tool_parser: Any, sampling_params: dict[str, Any] | None = None,
                  context_length: int | None = None, *, allowed_hosts: tuple[str, ...] = (),
-                 chat_format: Any = None) -> None:
+                 chat_format: Any = None, images: ImageEncoder | None = None) -> None:
         # chat_format: the run's BoundFormat (template, its kwargs, stop ids); None: the builtin format the tokenizer
         # speaks, with its own template
         self.chat_format = chat_format
         if chat_format is None and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; the session server renders messages with one "
                              "(set model.tokenizer.chat_template, e.g. chatml_tools, for a built tokenizer)")
-        self.engine, self.tokenizer, self.tool_parser = engine, tokenizer, tool_parser
+        self.engine, self.tokenizer, self.tool_parser, self.images = engine, tokenizer, tool_parser, images
         self.sampling_params = dict(sampling_params or {})
         self.context_length = context_length or getattr(engine, "context_length", None)
         self.sessions: dict[str, Session] = {}
@@ -160,7 +167,7 @@ class SessionServer:
         params.update({k: v for k, v in (("temperature", prompt.request.temperature),
                                          ("top_p", prompt.request.top_p)) if v is not None})
         try:
-            answer = await self._generate(session, prompt.ids, params)
+            answer = await self._generate(session, prompt.ids, params, prompt.conversation.images)
         except ValueError as exc:
             raise ApiError(400, f"the engine refused the request: {exc}") from exc
         meta = answer["meta_info"]
@@ -224,15 +231,17 @@ class SessionServer:
                                                thread_name_prefix="miles-session")
         return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)
 
-    async def _generate(self, session: Session, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    async def _generate(self, session: Session, prompt: list[int], params: dict[str, Any],
+                        images: list[Any]) -> dict[str, Any]:
         """The engine's answer. When the caller is cancelled (its client disconnected), the engine's request is
         aborted as well, as SGLang aborts the request of a client that disconnects (an engine without ``abort(rid)``
         is left to finish it; its answer is dropped)."""
+        extra = {"image_data": [image.ref for image in images]} if images else {}
         if self._abort is None:
-            return await self.engine.generate(prompt, params, return_logprob=True)
+            return await self.engine.generate(prompt, params, return_logprob=True, **extra)
         rid = f"session-{session.id}-{session.turns + 1}-{uuid.uuid4().hex[:8]}"
         try:
-            return await self.engine.generate(prompt, params, return_logprob=True, rid=rid)
+            return await self.engine.generate(prompt, params, return_logprob=True, rid=rid, **extra)
         except asyncio.CancelledError:
             self._abort(rid)
             raise
@@ -286,7 +295,7 @@ class SessionServer:
         if not self.context_length:
             return
         room = self.context_length - 2 - held  # tokens the new messages may take
-        text = "".join(m["content"] for m in new if m["role"] != "assistant")
+        text = "".join(content_text(m["content"]) for m in new if m["role"] != "assistant")
         longest = self._longest()
         if not longest or len(text) <= room * longest:  # fits, whatever the count: no need to count
             return
@@ -321,13 +330,17 @@ class SessionServer:
         replaced when the turn is recorded)."""
         try:
             if session.conversation is None:
-                conversation = Conversation(self.chat_format or self.tokenizer, request.messages, request.tools)
+                conversation = Conversation(self.chat_format or self.tokenizer, request.messages, request.tools,
+                                            images=self.images)
                 return list(conversation.prompt_ids), conversation
             conversation = copy(session.conversation)
             conversation.messages = list(session.conversation.messages)
+            conversation.images = list(session.conversation.images)
             ids = conversation.extend(request.messages[len(conversation.messages):])
         except NotAppendOnly as exc:
             raise ApiError(400, str(exc), param="messages", code="template_not_append_only") from exc
+        except ImageProblem as exc:
+            raise ApiError(400, f"messages: {exc}", param="messages", code="invalid_image") from exc
         except Exception as exc:  # the chat template refused the messages (e.g. a system message not first)
             raise ApiError(400, f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}",
                            param="messages") from exc
@@ -440,7 +453,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 30001, tool_parser: A
         engine.load_model(model)
         # The name it was started with is a Host the guard accepts (e.g. --host node7.cluster).
         allowed = () if host in LOOPBACK | {"0.0.0.0", "::", ""} else (host,)
-        server = SessionServer(engine, engine.tokenizer, tool_parser, allowed_hosts=allowed)
+        images = ImageEncoder(engine.vision, engine.image_processor) if engine.vision is not None else None
+        server = SessionServer(engine, engine.tokenizer, tool_parser, allowed_hosts=allowed, images=images)
 
         async def run() -> None:
             url = await server.start(host, port)

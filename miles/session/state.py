@@ -59,13 +59,19 @@ class Session:
     def messages(self) -> list[dict[str, Any]]:
         return self.conversation.messages if self.conversation is not None else []
 
+    @property
+    def images(self) -> list[Any]:
+        """A vision-language model's images of the session's tokens, in order (``ProcessedImage``)."""
+        return self.conversation.images if self.conversation is not None else []
+
     def trajectory(self) -> dict[str, Any]:
         """What ``GET /sessions/{id}`` answers."""
         return {"id": self.id, "metadata": self.metadata, "status": self.status, "reason": self.reason,
                 "finish_reason": self.finish_reason, "turns": self.turns, "prompt_ids": self.prompt_ids,
                 "response_ids": self.response_ids, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
                 "weight_versions": self.weight_versions, "messages": self.messages, "tools": self.tools,
-                "tool_stats": self.tool_stats, "context_exceeded": self.context_exceeded or None}
+                "tool_stats": self.tool_stats, "context_exceeded": self.context_exceeded or None,
+                "images": [image.ref for image in self.images]}
 
     def _append(self, ids: list[int], logprobs: list[float] | None, from_policy: bool) -> None:
         self.response_ids += ids

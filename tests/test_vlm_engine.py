@@ -2,6 +2,7 @@
 fresh ``transformers`` forward that places the images and computes the multimodal positions its own way."""
 
 import asyncio
+import os
 import base64
 
 import pytest
@@ -248,3 +249,23 @@ def test_image_tokens_are_never_sampled(vlm, vlm_model_dir, images):
     hot = {"max_new_tokens": 200, "temperature": 5.0, "ignore_eos": True}
     answer = asyncio.run(e.generate(tokenizer.encode(PROMPT), hot, True, image_data=str(images["two_red"])))
     assert len(answer["output_ids"]) == 200 and not set(answer["output_ids"]) & set(spec.never_generated)
+
+
+def test_processed_images_are_kept_by_reference_until_the_file_changes(vlm, images, tmp_path):
+    from miles.engine.image_input import ImageCache
+
+    _, _, processor, _ = vlm
+    path = tmp_path / "picture.png"
+    path.write_bytes(png_bytes(draw_dots(2, "red")))
+    cache = ImageCache(processor)
+    first = cache.get(str(path))
+    assert cache.get(str(path)) is first and (cache.hits, cache.misses) == (1, 1)
+    path.write_bytes(png_bytes(draw_dots(3, "blue")))  # the same name, another picture
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert cache.get(str(path)).digest != first.digest and cache.misses == 2
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(draw_dots(1, "green"))).decode()
+    small = ImageCache(processor, max_bytes=first.pixel_values.nbytes)  # room for one picture
+    held = small.get(url)
+    small.get(str(path))
+    assert small.get(url) is not held and small.misses == 3  # the least recently used went

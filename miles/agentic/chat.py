@@ -75,8 +75,8 @@ class Conversation:
         self.policy_turns = 0
         self._last_token: int | None = None  # the last token the policy generated in its last turn
         self._cut = False  # whether that turn stopped at its token limit
-        ids = self.encode(self.render(self.messages, generation_prompt=True))
-        self.prompt_ids = self._widen(ids, self._read(self.messages, 0, list(held) or None))
+        images = self._read(self.messages, 0, list(held) or None)  # before rendering: a template may not take them
+        self.prompt_ids = self._widen(self.encode(self.render(self.messages, generation_prompt=True)), images)
 
     @property
     def eot_text(self) -> str:
@@ -130,6 +130,7 @@ class Conversation:
         to the policy's end of turn) once ``new_messages`` follow it; the messages are then not added
         (:meth:`resync` adds them).
         """
+        new_images = self._read(new_messages, len(self.messages))
         before = self.render(self.messages, generation_prompt=False)
         after = self.render(self.messages + new_messages, generation_prompt=generation_prompt)
         cut, start = self._boundary(before, after)
@@ -138,7 +139,6 @@ class Conversation:
         if (self._last_token is not None and self._last_token in self.format.next_role_ids and start == cut
                 and self.messages and self.messages[-1].get("role") == "assistant"):
             raise self._mismatch(before[:cut] + self.format.token_text(self._last_token), after, new_messages)
-        new_images = self._read(new_messages, len(self.messages))
         ids = self._widen(self.encode(after[start:]), new_images)
         self.messages.extend(new_messages)
         return ids

@@ -31,6 +31,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "miles.builtin.chat_formats",
     "miles.builtin.sandboxes",
     "miles.builtin.tools",
+    "miles.builtin.dots",
     "miles.builtin.engines",
     "miles.builtin.backends",
     "miles.builtin.kernels",

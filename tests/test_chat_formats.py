@@ -87,6 +87,12 @@ def test_detection_picks_the_family_by_its_template_and_refuses_an_ambiguous_voc
     assert fmt.name == "qwen3" and {"chatml", "qwen3", "qwq"} <= set(candidates)
     qwen.chat_template = read_chat_template("chatml_tools")
     assert detect(FORMATS, qwen)[0].name == "chatml"
+    # Qwen2.5's text models hold the vision tokens too: their template, not their vocabulary, tells them apart
+    qwen = build_bpe_tokenizer("qwen", ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"))
+    qwen.chat_template = read_chat_template("chatml_tools")
+    assert detect(FORMATS, qwen)[0].name == "chatml"
+    qwen.chat_template = read_chat_template("qwen2_vl")
+    assert detect(FORMATS, qwen)[0].name == "qwen2_vl"
     deepseek = build_bpe_tokenizer("deepseek")
     deepseek.chat_template = None
     with pytest.raises(ValueError,

@@ -56,45 +56,7 @@ def tool_arithmetic(seed: int, digits: int = 2, ops: str = "*", size: int = 2000
     return {"eval": rows[:n_eval], "train": rows[n_eval:]}
 
 
-def dots(seed: int, size: int = 2000, eval_fraction: float = 0.1, side: int = 56) -> dict[str, list[dict]]:
-    """Images to count: a ``side`` x ``side`` picture cut in a 2 x 2 grid, a dot (of a random colour, size and place)
-    in each of 0 to 4 of its cells; the prompt is the image and ``How many dots?`` as a chat message (the image as a
-    PNG data URL), the label the count. With Qwen2.5-VL's 28-pixel tokens, a 56-pixel picture is one token per cell.
-    Train and eval images are drawn apart and never the same."""
-    import base64
-    import io
-
-    from PIL import Image, ImageDraw
-
-    if size < 2 or not 0 < eval_fraction < 1 or side < 8:
-        raise ValueError("expected size >= 2, eval_fraction in (0, 1), side >= 8")
-    rng, cell = random.Random(seed), side // 2
-    colours = ["red", "blue", "green", "black", "orange", "purple"]
-    seen, rows = set(), []
-    while len(rows) < size:
-        filled = [k for k in range(4) if rng.random() < 0.5]
-        image = Image.new("RGB", (side, side), "white")
-        pen = ImageDraw.Draw(image)
-        for k in filled:
-            radius = rng.randint(cell // 5, cell // 3)
-            x = (k % 2) * cell + rng.randint(radius, cell - radius)
-            y = (k // 2) * cell + rng.randint(radius, cell - radius)
-            pen.ellipse((x - radius, y - radius, x + radius, y + radius), fill=rng.choice(colours))
-        out = io.BytesIO()
-        image.save(out, format="PNG")
-        if out.getvalue() in seen:
-            continue
-        seen.add(out.getvalue())
-        url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
-        rows.append({"prompt": [{"role": "user", "content": [{"type": "image", "image": url},
-                                                             {"type": "text", "text": "How many dots?"}]}],
-                     "label": str(len(filled))})
-    n_eval = max(1, round(len(rows) * eval_fraction))
-    return {"eval": rows[:n_eval], "train": rows[n_eval:]}
-
-
 @hookimpl(trylast=True)
 def miles_register_data_generators(register):
     register("addition", addition)
     register("tool_arithmetic", tool_arithmetic)
-    register("dots", dots)

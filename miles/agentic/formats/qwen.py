@@ -16,6 +16,16 @@ CHATML = ChatFormat(
     identify=("<|im_start|>",),
 )
 
+QWEN2_VL = ChatFormat(
+    name="qwen2_vl",
+    description="Qwen2-VL and Qwen2.5-VL: ChatML whose messages may hold images, Hermes tool calls",
+    end_of_turn=("<|im_end|>",),
+    tool_parser="hermes",
+    template="qwen2_vl",
+    identify=("<|im_start|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
+    template_markers=("<|vision_start|>",),  # Qwen2.5's text models hold the vision tokens too, not in their template
+)
+
 QWEN3 = ChatFormat(
     name="qwen3",
     description="Qwen3 hybrid thinking: <think> reasoning before the answer, enable_thinking to turn it off",
@@ -46,7 +56,7 @@ QWQ = ChatFormat(
                             "</think> of earlier turns",
 )
 
-FORMATS = (CHATML, QWEN3, QWQ)
+FORMATS = (CHATML, QWEN2_VL, QWEN3, QWQ)
 TOOL_PARSERS: dict = {}
 REASONING_PARSERS = {
     "qwen3_think": ThinkTagReasoning,

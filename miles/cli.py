@@ -20,8 +20,21 @@ __all__ = ["main"]
 def _cmd_train(args: argparse.Namespace) -> int:
     from miles.run.runner import prepare, train
 
-    with interrupts.handling():
-        train(prepare(args.config, args.overrides))
+    prepared = None
+    try:
+        with interrupts.handling():
+            prepared = prepare(args.config, args.overrides)
+            train(prepared)
+    except (KeyboardInterrupt, Terminated):
+        if prepared is not None:  # the run's last checkpoint, and how to continue from it
+            from pathlib import Path
+
+            from miles.run.checkpoint import resume_hint
+
+            run = prepared.config.run
+            print(resume_hint(Path(run.dir), int(run.save_every), ["miles", "train", args.config, *args.overrides]),
+                  file=sys.stderr)
+        raise
     return 0
 
 

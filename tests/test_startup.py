@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -213,7 +214,9 @@ def test_a_run_logged_to_a_file_has_no_carriage_returns(tmp_path):
 
 
 def test_sigterm_exits_143_and_sigint_130(tmp_path):
-    """A run held at its first step by a reward that waits for a file: terminated, it unwinds and exits 143."""
+    """A run held by a reward that waits for a file (from its first call, or once the run's step-2 checkpoint
+    exists): stopped, it unwinds, exits 143 or 130, names its last checkpoint (or that it has none) and the command
+    that continues it; that command finishes the run."""
     gate = tmp_path / "release"
     plugin = tmp_path / "gated_reward.py"
     plugin.write_text(
@@ -221,6 +224,8 @@ def test_sigterm_exits_143_and_sigint_130(tmp_path):
         "from pathlib import Path\n"
         f"HELD = Path({str(tmp_path / 'held')!r})\n"
         "def gated(sample):\n"
+        "    if os.environ.get('HOLD_AFTER') and not Path(os.environ['HOLD_AFTER']).exists():\n"
+        "        return 1.0\n"
         "    HELD.touch()\n"
         f"    while not Path({str(gate)!r}).exists():\n"
         "        time.sleep(0.05)\n"
@@ -229,8 +234,10 @@ def test_sigterm_exits_143_and_sigint_130(tmp_path):
     for sig in (signal.SIGTERM, signal.SIGINT):
         (tmp_path / "held").unlink(missing_ok=True)
         gate.unlink(missing_ok=True)
-        proc = subprocess.Popen([*MILES_WITH_CTRL_C, "train", CONFIG, *SMALL, "reward.name=gated_reward:gated",
-                                 f"run.dir={tmp_path / sig.name}"], env=env, stdout=subprocess.PIPE,
+        run_dir = tmp_path / sig.name
+        hold_after = {"HOLD_AFTER": str(run_dir / "checkpoints" / "step_000002")} if sig == signal.SIGTERM else {}
+        command = ["train", CONFIG, *SMALL, "reward.name=gated_reward:gated", f"run.dir={run_dir}"]
+        proc = subprocess.Popen([*MILES_WITH_CTRL_C, *command], env={**env, **hold_after}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         try:
             while not (tmp_path / "held").exists():  # the run is inside its first reward call
@@ -245,3 +252,17 @@ def test_sigterm_exits_143_and_sigint_130(tmp_path):
         assert proc.returncode == 128 + sig, output
         assert ("miles: terminated (SIGTERM)" if sig == signal.SIGTERM else "miles: interrupted") in output
         assert "Traceback" not in output
+        resume = shlex.join(["miles", *command, "run.resume=true"])
+        if sig == signal.SIGINT:  # held in step 0: nothing saved yet
+            assert (f"miles: no checkpoint of this run in {run_dir} (it saves one every 2 steps (run.save_every)); "
+                    f"this starts it over from step 0 there:\n  {resume}\n") in output, output
+            continue
+        assert (f"miles: the last checkpoint is {run_dir / 'checkpoints' / 'step_000002'} (2 RL steps done); continue "
+                f"from it with:\n  {resume}\n") in output, output
+        # the printed command, as a user pastes it (miles on PATH: the venv's), finishes the run from step 2
+        rest = shlex.split(resume)[1:]
+        done = subprocess.run([sys.executable, "-m", "miles", *rest], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                  if "reward/mean" in line]
+        assert logged == [0, 1, 2, 3], logged

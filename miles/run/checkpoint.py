@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import tempfile
 import zipfile
@@ -31,7 +32,7 @@ import torch
 from miles.errors import ConfigError, RunError, disk_cause
 
 __all__ = ["Checkpoint", "save_checkpoint", "latest_checkpoint", "newest_intact_checkpoint", "damage",
-           "check_compatible", "model_signature"]
+           "check_compatible", "model_signature", "resume_hint"]
 
 _NAME = re.compile(r"^step_(\d+)$")
 # Fields of an HF config.json that do not change what a checkpoint's weights mean.
@@ -155,6 +156,20 @@ def newest_intact_checkpoint(root: Path) -> tuple[Checkpoint | None, list[str]]:
             return checkpoint, skipped
         skipped.append(f"{checkpoint.path.name}: {problem}")
     return None, skipped
+
+
+def resume_hint(run_dir: Path, save_every: int, command: list[str]) -> str:
+    """What a run stopped by Ctrl-C or SIGTERM says: its last checkpoint and the command (``command``, the one it was
+    started with, ``run.resume=true`` added) that continues it."""
+    line = shlex.join([*(c for c in command if not c.startswith(("run.resume=", "run.overwrite="))),
+                       "run.resume=true"])
+    found = latest_checkpoint(run_dir / "checkpoints")
+    if found is None:
+        why = ("it saves none: run.save_every=0" if save_every == 0
+               else f"it saves one every {save_every} steps (run.save_every)")
+        return (f"miles: no checkpoint of this run in {run_dir} ({why}); this starts it over from step 0 there:\n"
+                f"  {line}")
+    return f"miles: the last checkpoint is {found.path} ({found.step} RL steps done); continue from it with:\n  {line}"
 
 
 def latest_checkpoint(root: Path) -> Checkpoint | None:

@@ -3,19 +3,24 @@
 The registry is filled by calling every plugin's registration hooks with a ``register`` callable
 bound to that plugin, so each name records the plugin and distribution version that gave it.
 A config node ``{name: ..., **args}`` is turned into a component by :meth:`Registry.build`; anywhere a
-name is accepted, an import path ``package.module:attr`` is accepted too. An argument that is itself a
-component node (declared in the component's ``miles_components``) is checked and built the same way.
+name is accepted, an import path ``package.module:attr`` is accepted too (a module of the working directory, or a
+``.py`` file: :func:`import_object`). An argument that is itself a component node (declared in the component's
+``miles_components``) is checked and built the same way.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import importlib
+import importlib.util
 import inspect
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from miles.errors import ConfigError, PluginError
@@ -236,18 +241,57 @@ class Registry:
 
 
 def import_object(path: str) -> Any:
-    """The object at the import path ``package.module:name`` (``name`` may be dotted: ``module:Class.method``).
-    A ValueError when ``path`` is not of that form, or does not import (the import's error is its cause)."""
-    module_name, sep, attr = path.partition(":") if isinstance(path, str) else ("", "", "")
+    """The object at the import path ``package.module:name`` (``name`` may be dotted: ``module:Class.method``), or
+    ``file.py:name``. A module is looked for among the installed packages, then in the working directory
+    (``my_reward:score`` finds ``./my_reward.py``, as ``python -m`` would); a ``.py`` file's path (relative to the
+    working directory, or absolute) loads that file. A ValueError when ``path`` is not of that form, or does not
+    import (the import's error is its cause)."""
+    module_name, sep, attr = path.rpartition(":") if isinstance(path, str) else ("", "", "")
     if not module_name or not sep or not attr:
-        raise ValueError(f"expected an import path 'package.module:name', got {path!r}")
+        raise ValueError(f"expected an import path 'package.module:name' (or 'path/to/file.py:name'), got {path!r}")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = _load_file(Path(module_name)) if module_name.endswith(".py") else _import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except Exception as exc:
         raise ValueError(f"cannot import {path!r}: {type(exc).__name__}: {exc}") from exc
     return obj
+
+
+def _import_module(name: str) -> Any:
+    """Module ``name``, installed or in the working directory."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        top, here = name.split(".")[0], Path.cwd()
+        if exc.name != top:  # the module was found; something it imports was not
+            raise
+        if not ((here / f"{top}.py").is_file() or (here / top / "__init__.py").is_file()):
+            raise ModuleNotFoundError(f"no module named {top!r} among the installed packages nor in the working "
+                                      f"directory {here} (a file's path works too: path/to/file.py:name)",
+                                      name=top) from None
+        sys.path.append(str(here))  # after the installed packages: they keep their names
+        importlib.invalidate_caches()
+        return importlib.import_module(name)
+
+
+def _load_file(path: Path) -> Any:
+    """The module of the Python file ``path``, loaded once per process."""
+    path = path.resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (a relative path is taken from the working directory)")
+    name = f"miles_file_{hashlib.blake2b(str(path).encode(), digest_size=6).hexdigest()}_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[name] = module  # before it runs: a dataclass or pickle in it looks its module up by name
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def _import_path(path: str, kind: str, where: str | None) -> Any:

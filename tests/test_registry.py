@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 import miles
@@ -79,6 +81,38 @@ def test_import_path_accepted_wherever_a_name_is():
     assert reward(make_sample()) == 3.0
     with pytest.raises(ConfigError, match="cannot import reward 'tests.nope:fn'"):
         registry.get("reward", "tests.nope:fn", where="reward.name")
+
+
+def test_an_import_path_finds_the_working_directory_s_modules_and_python_files(tmp_path, monkeypatch, miles_cli):
+    """``my_rew_cwd:score`` finds ./my_rew_cwd.py (as `python -m` would); ``path/to/file.py:name`` loads that file;
+    what is found nowhere says where it was looked for; a module that imports something missing says that."""
+    import sys
+
+    from miles.registry import import_object
+
+    (tmp_path / "my_rew_cwd.py").write_text("def score(sample):\n    return 0.5\n")
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "shaped.py").write_text("class Shaped:\n    def half(sample):\n        return 0.25\n")
+    (tmp_path / "broken_rew_cwd.py").write_text("import not_a_package_anywhere\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the working directory it adds goes with the test
+    assert import_object("my_rew_cwd:score")(None) == 0.5
+    assert import_object("./rewards/shaped.py:Shaped.half")(None) == 0.25
+    assert import_object(f"{tmp_path}/rewards/shaped.py:Shaped") is import_object("rewards/shaped.py:Shaped")
+    with pytest.raises(ValueError, match=rf"no module named 'nowhere_rew' among the installed packages nor in the "
+                                         rf"working directory {tmp_path}"):
+        import_object("nowhere_rew:score")
+    with pytest.raises(ValueError, match=r"No module named 'not_a_package_anywhere'"):
+        import_object("broken_rew_cwd:score")
+    with pytest.raises(ValueError, match=rf"{tmp_path}/gone.py: no such file \(a relative path is taken from the "
+                                         rf"working directory\)"):
+        import_object("gone.py:score")
+    # as a user runs it: `miles config` from the folder that holds the reward, the config named by its path
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
+    result = miles_cli("config", config, "reward.name=my_rew_cwd:score", f"run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 0 and "name: my_rew_cwd:score" in result.stdout, result.stderr[-2000:]
+    result = miles_cli("config", config, "reward.name=nowhere_rew:score", cwd=tmp_path)
+    assert result.returncode == 2 and "nor in the working directory" in result.stderr, result.stderr[-2000:]
 
 
 def test_arguments_checked_against_signature_all_at_once():

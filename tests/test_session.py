@@ -372,7 +372,7 @@ def test_completions_of_one_session_run_one_at_a_time_and_sessions_concurrently(
     assert other.usage.completion_tokens == len(miles(other)["token_ids"]) >= 1
 
 
-def test_a_prompt_past_the_context_gets_400_naming_both_lengths_and_the_session_goes_on(engine):
+def test_a_prompt_past_the_context_gets_400_naming_both_lengths_and_the_session_goes_on(engine, caplog):
     tokenizer = engine.tokenizer
     hello = [{"role": "user", "content": "hello"}]
     prompt = len(Conversation(tokenizer, hello).prompt_ids)
@@ -415,6 +415,8 @@ def test_a_prompt_past_the_context_gets_400_naming_both_lengths_and_the_session_
     assert second.usage.prompt_tokens == recorded + len(encode(
         tokenizer, "<|im_end|>\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"))
     assert last["turns"] == 2 and last["context_exceeded"] is None
+    logged = [r.getMessage() for r in caplog.records if r.name == "miles.session.server"]
+    assert len(logged) == 2 and all("400 context_length_exceeded: messages: the prompt is" in m for m in logged)
 
 
 def test_a_generation_that_reaches_the_context_length_ends_the_session(engine):

@@ -154,6 +154,7 @@ class SessionServer:
             prompt = await self._off_loop(self._prepare, session, body)
         except _ContextExceeded as exc:
             session.context_exceeded = str(exc)
+            logging.getLogger(__name__).warning("session %s: 400 context_length_exceeded: %s", session.id, exc)
             raise
         if isinstance(prompt, dict):  # the repeat of the last request: its answer again, recorded already
             return prompt, lambda: None

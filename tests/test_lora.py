@@ -250,6 +250,17 @@ def test_bad_lora_configs_exit_2_naming_the_key(capsys, tmp_path, overrides, exp
     assert expected in err and "Traceback" not in err
 
 
+def test_lora_on_a_model_built_at_random_warns_at_start_and_on_a_trained_one_does_not(capsys, tmp_path,
+                                                                                     tiny_model_dir):
+    assert main([*BASE, f"run.dir={tmp_path / 'a'}", "backend.lora.rank=4"]) == 0
+    err = capsys.readouterr().err
+    assert "backend.lora: warning: the model is built at random (model.build, no model.path)" in err, err
+    assert "from the SFT warm-up on" in err and "model.path=runs/sft/sft_model sft.steps=0" in err
+    assert main([*BASE, f"run.dir={tmp_path / 'b'}", "backend.lora.rank=4", f"model.path={tiny_model_dir}",
+                 "sft.steps=0"]) == 0
+    assert "backend.lora: warning" not in capsys.readouterr().err
+
+
 def test_adapter_sync_to_sglang_servers_is_refused(capsys, tmp_path):
     pytest.importorskip("miles_sglang")
     code = main([*BASE, f"run.dir={tmp_path / 'run'}", "backend.lora.rank=4", "backend.lora.sync=adapters",

@@ -125,3 +125,41 @@ def test_algorithm_page_examples_train(tmp_path):
             "rollout.prompts_per_step=4", *overrides], extra_plugins=[(page, module)]))
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [0, 1] and all(r["train/grad_norm"] >= 0 for r in rows)
+
+
+def test_the_readme_s_plugin_installs_registers_and_scores_as_written(tmp_path):
+    """The README's "Write a plugin" files, copied literally into a folder, build as a package (setuptools, no
+    network), and installed beside Miles, its entry point registers the reward, which scores a sample."""
+    import subprocess
+    import sys
+    import zipfile
+
+    text = (DOCS.parent / "README.md").read_text()
+    section = text[text.index("## Write a plugin"):text.index("\n## ", text.index("## Write a plugin") + 3)]
+    readme = tmp_path / "README.md"
+    readme.write_text(section)
+    files = {}
+    for block in code_blocks(readme, "python") + code_blocks(readme, "toml"):
+        first, _, body = block.partition("\n")
+        assert first.startswith("# "), block[:80]
+        files[first[2:].strip()] = block + "\n"
+    assert sorted(files) == ["my_plugin.py", "pyproject.toml"]
+    folder = tmp_path / "my-plugin"
+    folder.mkdir()
+    for name, body in files.items():
+        (folder / name).write_text(body)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(tmp_path / "wheel"), str(folder)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    wheel = next((tmp_path / "wheel").glob("my_plugin-0.1.0-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:  # installed: its files and metadata on sys.path
+        archive.extractall(tmp_path / "site")
+    check = ("from miles.testing import make_registry, make_sample\n"
+             "registry = make_registry(autoload=True)\n"
+             "entry = registry.get('reward', 'my_closeness')\n"
+             "reward = registry.build('reward', {'name': 'my_closeness', 'scale': 4.0}, 'reward')\n"
+             "print(entry.plugin.name, reward(make_sample('5', label='7')))\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path / "site")}
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["my-plugin", "0.5"], result.stdout

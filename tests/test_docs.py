@@ -163,3 +163,46 @@ def test_the_readme_s_plugin_installs_registers_and_scores_as_written(tmp_path):
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["my-plugin", "0.5"], result.stdout
+
+
+def _anchors(path):
+    """The anchors GitHub gives the headings of a Markdown file (outside code blocks)."""
+    import re
+
+    found, seen, inside = set(), {}, False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif not inside and (heading := re.match(r"^#{1,6}\s+(.*)$", line)):
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            found.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def test_every_relative_link_of_the_docs_resolves_to_a_file_and_heading():
+    import re
+
+    root = DOCS.parent
+    pages = [root / "README.md", *sorted(DOCS.rglob("*.md")), *sorted(root.glob("plugins/*/README.md")),
+             *sorted(root.glob("contrib/*/README.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target):  # a web or mail address
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(root)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{page.relative_to(root)}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_the_docs_index_links_every_page():
+    index = (DOCS / "README.md").read_text()
+    pages = [p.relative_to(DOCS).as_posix() for p in sorted(DOCS.rglob("*.md")) if p.name != "README.md"]
+    assert not [p for p in pages if f"]({p})" not in index]
+    assert "](docs/README.md)" in (DOCS.parent / "README.md").read_text()

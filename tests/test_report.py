@@ -100,3 +100,18 @@ def test_without_matplotlib_the_pip_command_is_named(run_dir, tmp_path, monkeypa
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
     assert main(["report", str(run_dir), "--out", str(tmp_path)]) == 2
     assert "pip install 'miles[report]'" in capsys.readouterr().err
+
+
+def test_each_step_records_its_response_length_spread_and_a_run_evaluates_along_the_way(run_dir, tmp_path):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "reward/mean" in row]  # a step's row (an evaluation before RL has its own)
+    assert len(steps) == 6
+    for row in steps:
+        spread = [row[f"response/length_{k}"] for k in ("p10", "p50", "p90", "max")]
+        assert spread == sorted(spread) and spread[0] <= row["response/length_mean"] <= spread[-1], row
+    # by default (run.eval_every unset) a run evaluates at each fifth of its steps (after steps 2, 4, 6, 8), and at
+    # the end (its own row, at step 10)
+    assert main(["train", "configs/quickstart.yaml", f"run.dir={tmp_path / 'run'}", "sft.steps=0", "run.steps=10",
+                 "rollout.prompts_per_step=2", "rollout.n_samples=2", "run.eval_size=4", "run.progress=false"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "eval/reward_mean" in row] == [1, 3, 5, 7, 10]

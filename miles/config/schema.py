@@ -170,7 +170,8 @@ class RunConfig:
                                                        "(step k+1 generates while step k trains) or `async`")
     dir: str = key("runs/default", doc="Output folder")
     seed: int = key(0, doc="Seeds data order, model init, sampling and training")
-    eval_every: int = key(0, ge=0, doc="Also evaluate every k steps (0: only before and after RL)")
+    eval_every: Optional[int] = key(None, ge=0, doc="Also evaluate every k steps (0: only before and after RL; "
+                                                    "null: at each fifth of the run, every `steps // 5`)")
     eval_size: int = key(200, ge=0, doc="Held-out prompts per evaluation; 0 disables evaluation")
     eval_pass_reward: float = key(1.0, doc="A held-out prompt counts as solved at this reward or above")
     max_failed_frac: float = key(0.5, ge=0, le=1, expected="a fraction between 0 and 1",

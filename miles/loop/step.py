@@ -109,6 +109,7 @@ def rollout_metrics(c: Step, collected: Collected, rollout_s: float, prefill_bef
         "reward/mean": fmean(s.scalar_reward for s in trained) if trained else float("nan"),
         "reward/finished_mean": fmean(s.scalar_reward for s in finished) if finished else float("nan"),
         "response/length_mean": fmean(len(s.response_ids) for s in samples) if samples else 0.0,
+        **_length_spread(sorted(len(s.response_ids) for s in samples)),
         "rollout/truncated_frac": (sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples)
                                    if samples else 0.0),
         "samples/total": len(samples),
@@ -119,6 +120,15 @@ def rollout_metrics(c: Step, collected: Collected, rollout_s: float, prefill_bef
         "rollout/prefix_hit_frac": 1.0 - computed / requested if requested else 0.0,
         **agentic_metrics(samples, c.ctx.sandbox),  # with a sandbox pool's counts
     }
+
+
+def _length_spread(lengths: list[int]) -> dict[str, float]:
+    """The 10th, 50th and 90th percentiles (nearest rank) and the largest of sorted response lengths."""
+    if not lengths:
+        return {}
+    rank = lambda q: lengths[min(len(lengths) - 1, max(0, -(-q * len(lengths) // 100) - 1))]  # noqa: E731
+    return {"response/length_p10": rank(10), "response/length_p50": rank(50), "response/length_p90": rank(90),
+            "response/length_max": lengths[-1]}
 
 
 def push_weights(c: Step, step: int, backend: Any = None) -> None:

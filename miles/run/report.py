@@ -128,20 +128,39 @@ def _draw_logprob_gap(ax: Any, metrics: Metrics, summary: dict[str, Any]) -> Non
     ax.set_ylabel("mean |train - rollout| (nats/token)")
 
 
-def _simple(key: str, ylabel: str, *more: str) -> Callable[[Any, Metrics, dict[str, Any]], None]:
+def _simple(key: str, ylabel: str, *more: str, from_zero: bool = True,
+            log: bool = False) -> Callable[[Any, Metrics, dict[str, Any]], None]:
+    """Lines of ``key`` and ``more``; the y axis from 0 (``from_zero``), or logarithmic when ``log`` and every value
+    is positive."""
     def draw(ax: Any, metrics: Metrics, summary: dict[str, Any]) -> None:
         for k in (key, *more):
             _line(ax, metrics, k)
         ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0)
+        if log and all(v > 0 for k in (key, *more) for v in metrics.series(k)[1]):
+            ax.set_yscale("log")
+        elif from_zero:
+            ax.set_ylim(bottom=0)
     return draw
+
+
+def _draw_lengths(ax: Any, metrics: Metrics, summary: dict[str, Any]) -> None:
+    """Each step's response lengths: the 10th-90th percentile band, the median, the mean and the longest."""
+    steps, low = metrics.series("response/length_p10")
+    high = metrics.series("response/length_p90")[1]
+    if steps and len(high) == len(low):
+        ax.fill_between(steps, low, high, color="C0", alpha=0.2, linewidth=0, label="10th-90th percentile")
+    _line(ax, metrics, "response/length_p50", "median", color="C0")
+    _line(ax, metrics, "response/length_mean", "mean", color="C1", linewidth=0.8)
+    _line(ax, metrics, "response/length_max", "longest", color="C3", linewidth=0.8, linestyle="--")
+    ax.set_ylabel("tokens")
+    ax.set_ylim(bottom=0)
 
 
 PLOTS: list[Plot] = [
     Plot("reward", "Reward: training samples and evaluations", _needs("reward/mean", "eval/reward_mean"),
          _draw_reward),
-    Plot("response_length", "Response length", _needs("response/length_mean"),
-         _simple("response/length_mean", "tokens")),
+    Plot("response_length", "Response length", _needs("response/length_mean", "response/length_p50"),
+         _draw_lengths),
     Plot("truncation", "Truncated responses", _needs("rollout/truncated_frac"),
          _simple("rollout/truncated_frac", "fraction hitting max_new_tokens")),
     Plot("step_time", "Step time by phase", lambda m: None if _time_phases(m) else "metrics.jsonl has no "
@@ -149,6 +168,17 @@ PLOTS: list[Plot] = [
     Plot("logprob_gap", "Log-prob gap", _needs("train/rollout_logprob_abs_diff"), _draw_logprob_gap),
     Plot("tokens_per_s", "Throughput", _needs("rollout/tokens_per_s"),
          _simple("rollout/tokens_per_s", "tokens / s", "train/tokens_per_s")),
+    # RL health: what a practitioner checks when a run stops learning or blows up
+    Plot("loss", "Training loss", _needs("train/loss"), _simple("train/loss", "loss", from_zero=False)),
+    Plot("kl", "KL estimates", _needs("train/approx_kl", "train/kl"),
+         _simple("train/approx_kl", "nats/token", "train/kl", from_zero=False)),
+    Plot("entropy", "Policy entropy", _needs("train/entropy"), _simple("train/entropy", "nats/token")),
+    Plot("grad_norm", "Gradient norm (before clipping)", _needs("train/grad_norm"),
+         _simple("train/grad_norm", "L2 norm", log=True)),
+    Plot("clip_frac", "Clipped tokens", _needs("train/clip_frac"),
+         _simple("train/clip_frac", "fraction of trained tokens clipped")),
+    Plot("nonzero_advantage", "Samples with a learning signal", _needs("train/nonzero_adv_frac"),
+         _simple("train/nonzero_adv_frac", "fraction with a non-zero advantage")),
 ]
 
 

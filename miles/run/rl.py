@@ -171,7 +171,8 @@ class RLPhase:
         step_start = time.perf_counter()
         metrics = self.schedule.step(step)
         run.timed("rl", step_start)
-        greedy_due = bool(run.eval_prompts) and _due(step, run_cfg.eval_every, run_cfg.steps)
+        every = run_cfg.eval_every if run_cfg.eval_every is not None else run_cfg.steps // 5
+        greedy_due = bool(run.eval_prompts) and _due(step, every, run_cfg.steps)
         sets_due = bool(run.eval_sets) and _due(step, config.eval.every, run_cfg.steps)
         if greedy_due or sets_due:
             self.schedule.settle()  # the engines hold this step's weights

@@ -34,11 +34,13 @@ def run(run_dir: Path, *extra: str, plugins=()) -> dict:
 
 
 def rows(run_dir: Path) -> list[dict]:
-    """Per-step metrics without wall-clock figures."""
+    """Per-step metrics without wall-clock figures, nor the engines' prefix-cache hits: a resumed run's engines start
+    empty, while the uninterrupted run's hold what its evaluation before the step prefilled."""
     out = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        out.append({k: v for k, v in row.items() if not k.startswith("time/") and not k.endswith("_per_s")})
+        out.append({k: v for k, v in row.items() if not k.startswith("time/") and not k.endswith("_per_s")
+                    and k != "rollout/prefix_hit_frac"})
     return out
 
 

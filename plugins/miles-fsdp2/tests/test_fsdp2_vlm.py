@@ -50,6 +50,7 @@ def test_an_fsdp2_vlm_checkpoint_resumes_bitwise(vlm_model_dir, tmp_path):
     first = workers()
     try:
         first.train_step(batch, ppo_clip)
+        (tmp_path / "ckpt").mkdir()  # the run makes each checkpoint's folder
         first.save_checkpoint(str(tmp_path / "ckpt"))
         expected = first.train_step(batch, ppo_clip)
         weights = first.export_weights()

@@ -13,7 +13,7 @@ def batched(fn):
     return fn
 
 
-from miles.registry import import_object  # noqa: E402
+from miles.registry import import_object, lazy_exports  # noqa: E402
 from miles.types import Group, LossInputs, Sample, SampleStatus, TrainBatch  # noqa: E402
 from miles.agentic.types import Action, EnvContext, ExecResult, StepResult, Tool, ToolCall, ToolResult, tool  # noqa: E402
 
@@ -22,6 +22,7 @@ __all__ = [
     "hookimpl",
     "batched",
     "import_object",
+    "lazy_exports",
     "Group",
     "LossInputs",
     "Sample",

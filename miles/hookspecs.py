@@ -6,7 +6,9 @@ accept only the arguments it needs (``def miles_rollout_end(groups): ...`` is va
 
 Registration hooks receive a ``register(name, obj, *, override=False)`` callable. Miles records which
 plugin (and which distribution version) registered each name. Two plugins registering the same name
-of the same kind is an error; a plugin replaces a builtin only with ``override=True``.
+of the same kind is an error; a plugin replaces a builtin only with ``override=True``. ``obj`` may be
+the component's import path, ``"package.module:attr"``: it is imported when a run first uses it, so
+that a plugin whose component needs torch or an SDK costs nothing to commands that only list plugins.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Any
 from miles.errors import ConfigError, PluginError
 from miles.plugins import PluginInfo, PluginManager
 
-__all__ = ["KINDS", "Kind", "Entry", "Registry", "nested_nodes", "plugin_stack", "import_object"]
+__all__ = ["KINDS", "Kind", "Entry", "Registry", "nested_nodes", "plugin_stack", "import_object", "lazy_exports"]
 
 
 @dataclass(frozen=True)
@@ -110,16 +110,40 @@ def _as_node(node: Any) -> dict[str, Any] | None:
     return dict(node) if isinstance(node, Mapping) else None
 
 
-@dataclass(frozen=True)
+def _lazy(obj: Any) -> bool:
+    """A component registered by its import path (``"package.module:attr"``), imported when first used."""
+    return isinstance(obj, str) and ":" in obj
+
+
 class Entry:
-    kind: str
-    name: str
-    obj: Any
-    plugin: PluginInfo
+    """A registered component. One registered by its import path is imported when :attr:`obj` is first read, so
+    that listing plugins (``miles plugins``) imports none of their heavy dependencies."""
+
+    def __init__(self, kind: str, name: str, obj: Any, plugin: PluginInfo) -> None:
+        self.kind, self.name, self.plugin = kind, name, plugin
+        self._obj = obj
+
+    def __repr__(self) -> str:
+        return f"Entry({self.kind!r}, {self.name!r}, {self._obj!r}, plugin={self.plugin.name!r})"
 
     @property
     def builtin(self) -> bool:
         return self.plugin.builtin
+
+    @property
+    def obj(self) -> Any:
+        if _lazy(self._obj):
+            try:
+                obj = import_object(self._obj)
+            except ValueError as exc:
+                cause = exc.__cause__ or exc
+                raise PluginError(f"plugin {self.plugin.name!r} registered {self.kind} {self.name!r} as "
+                                  f"{self._obj!r}, which does not import: {type(cause).__name__}: {cause}") from cause
+            if not callable(obj) and not KINDS[self.kind].value:
+                raise PluginError(f"plugin {self.plugin.name!r} registered {self.kind} {self.name!r} as "
+                                  f"{self._obj!r}, a {type(obj).__name__}; expected a function or a class")
+            self._obj = obj
+        return self._obj
 
 
 _IMPORT_PATH = PluginInfo("import path", "", "", "", builtin=False)
@@ -148,10 +172,10 @@ class Registry:
                 f"plugin {plugin.name!r} registered a {kind} named {name!r}; names are letters, digits, "
                 f"'_', '.' and '-', starting with a letter or '_'"
             )
-        if not callable(obj) and not KINDS[kind].value:
+        if not callable(obj) and not KINDS[kind].value and not _lazy(obj):
             raise PluginError(
                 f"plugin {plugin.name!r} registered {kind} {name!r} as a {type(obj).__name__}; "
-                f"expected a function or a class"
+                f"expected a function, a class or an import path 'package.module:attr'"
             )
         existing = self._entries[kind].get(name)
         if existing is not None:
@@ -256,6 +280,17 @@ def import_object(path: str) -> Any:
     except Exception as exc:
         raise ValueError(f"cannot import {path!r}: {type(exc).__name__}: {exc}") from exc
     return obj
+
+
+def lazy_exports(package: str, exports: Mapping[str, str]) -> Any:
+    """A module ``__getattr__`` (PEP 562) for ``package`` that imports each name of ``exports`` (name -> the module
+    that defines it) when it is first read: a plugin package re-exports its components without importing their
+    dependencies when Miles loads its entry point. ``__getattr__ = miles.lazy_exports(__name__, {...})``."""
+    def __getattr__(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(exports[name]), name)
+    return __getattr__
 
 
 def _import_module(name: str) -> Any:

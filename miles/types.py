@@ -11,13 +11,12 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # torch, NumPy and the MoE helpers are imported where used: `import miles` stays light
+    import torch
 
-from miles.models.moe import NO_EXPERT, compact, decode_routed_experts, expand
-from miles.models.vision import ProcessedImage
+    from miles.models.vision import ProcessedImage
 
 __all__ = ["SampleStatus", "Sample", "Group", "TrainBatch", "LossInputs", "Reward"]
 
@@ -111,6 +110,9 @@ class Sample:
         data = meta.get("routed_experts")
         if data is None:
             return
+        import numpy as np
+
+        from miles.models.moe import NO_EXPERT, compact, decode_routed_experts, expand
 
         fed = input_len + max(int(meta.get("completion_tokens", 0)), 1) - 1
         new = decode_routed_experts(data, fed)
@@ -143,6 +145,8 @@ class Sample:
         del self.response_ids[length:], self.loss_mask[length:], self.rollout_logprobs[length:]
         self.off_policy_tokens = min(self.off_policy_tokens, length)
         if self.routed_experts is not None:
+            from miles.models.moe import compact, expand
+
             self.routed_experts = compact(expand(self.routed_experts)[: len(self.prompt_ids) + length])
 
     def fail(self, reason: str) -> None:
@@ -225,7 +229,7 @@ class TrainBatch:
         if isinstance(rows, slice) or not self.samples:  # a batch sent to another process has no samples
             samples = self.samples[rows] if isinstance(rows, slice) else []
         else:
-            samples = [self.samples[i] for i in (rows.tolist() if torch.is_tensor(rows) else rows)]
+            samples = [self.samples[i] for i in (rows.tolist() if hasattr(rows, "tolist") else rows)]
         attention_mask = self.attention_mask[rows]
         width = int(attention_mask.sum(dim=1).max().item()) if len(attention_mask) else 0
         width = max(width, 2)
@@ -244,13 +248,14 @@ class TrainBatch:
             routed_experts=None if self.routed_experts is None else self.routed_experts[rows, :width],
             images=None if self.images is None else (
                 self.images[rows] if isinstance(rows, slice) else
-                [self.images[i] for i in (rows.tolist() if torch.is_tensor(rows) else rows)]),
+                [self.images[i] for i in (rows.tolist() if hasattr(rows, "tolist") else rows)]),
         )
 
     @classmethod
     def from_samples(cls, samples: list[Sample], pad_token_id: int) -> "TrainBatch":
         if not samples:
             raise ValueError("cannot build a TrainBatch from no samples")
+        import torch
         width = max(2, max(len(s.prompt_ids) + len(s.response_ids) for s in samples))
         input_ids, attention_mask, loss_mask, logprobs = [], [], [], []
         for s in samples:
@@ -281,6 +286,9 @@ def _routed_experts(samples: list[Sample], width: int) -> torch.Tensor | None:
     recorded = [s.routed_experts for s in samples if s.routed_experts is not None]
     if not recorded:
         return None
+    import torch
+
+    from miles.models.moe import expand
 
     out = torch.full((len(samples), width, recorded[0].shape[1]), -1, dtype=torch.int16)
     for row, s in enumerate(samples):

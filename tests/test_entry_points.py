@@ -95,3 +95,40 @@ def test_cli_plugins_json_lists_versions_and_registrations(site, miles_cli):
     assert table.returncode == 0
     line = next(line for line in table.stdout.splitlines() if line.startswith("shout "))
     assert "0.3.1" in line and "reward: shout" in line
+
+
+LAZY = """
+import miles
+
+@miles.hookimpl
+def miles_register_rewards(register):
+    register("heavy", "miles_heavy_reward:score")  # imported when a run first uses it
+    register("gone", "miles_no_such_module:score")
+"""
+
+HEAVY = """
+import json  # stands for a heavy dependency: importing this module is what registering by path defers
+IMPORTED = True
+
+def score(sample, bonus: float = 0.0):
+    return 1.0 + bonus
+"""
+
+
+def test_a_component_registered_by_its_import_path_is_imported_when_first_used(site):
+    install(site, "miles-lazy", "1.0", "lazy", "miles_lazy_plugin", LAZY)
+    (site / "miles_heavy_reward.py").write_text(textwrap.dedent(HEAVY))
+    import sys
+
+    registry = Registry.from_plugin_manager(build_plugin_manager())
+    assert "miles_heavy_reward" not in sys.modules  # registered, listed, not imported
+    assert {"heavy", "gone"} <= set(registry.names("reward"))
+    # a config that names it is checked against its signature (the import happens here), then built
+    assert registry.check("reward", {"name": "heavy", "bonsu": 1}, "reward") == [
+        "reward.bonsu: reward 'heavy' takes no argument 'bonsu'; it accepts: bonus; did you mean 'bonus'?"]
+    assert "miles_heavy_reward" in sys.modules
+    assert registry.build("reward", {"name": "heavy", "bonus": 0.5}, "reward")(None) == 1.5
+    # an import path that does not import names the plugin that registered it
+    with pytest.raises(PluginError, match=r"plugin 'lazy' registered reward 'gone' as 'miles_no_such_module:score', "
+                                          r"which does not import: ModuleNotFoundError"):
+        registry.build("reward", {"name": "gone"}, "reward")

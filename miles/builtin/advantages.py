@@ -10,12 +10,13 @@ that do not work together.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from miles import hookimpl
 from miles.types import TrainBatch
+
+if TYPE_CHECKING:  # torch is imported where used: registering the estimators imports nothing heavy
+    import torch
 
 __all__ = ["group_stats", "batch_whiten", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo",
            "ppo"]
@@ -23,6 +24,8 @@ __all__ = ["group_stats", "batch_whiten", "grpo", "dr_grpo", "rloo", "reinforce_
 
 def group_stats(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row group mean, unbiased std (0 for groups of one) and group size."""
+    import torch
+
     _, inverse = group_index.unique(return_inverse=True)
     groups = int(inverse.max().item()) + 1
     count = torch.zeros(groups).index_add_(0, inverse, torch.ones_like(values))
@@ -80,6 +83,8 @@ grpo.check_args = _check_eps  # type: ignore[attr-defined]
 
 def rloo(batch: TrainBatch, whiten: bool = False) -> torch.Tensor:
     """RLOO: ``r_i - mean_{j != i} r_j`` over the other samples of the group (0 for a group of one)."""
+    import torch
+
     rewards = batch.sequence_rewards()
     mean, _, count = group_stats(rewards, batch.group_index)
     leave_one_out = torch.where(count > 1, count / (count - 1).clamp(min=1) * (rewards - mean),
@@ -89,6 +94,8 @@ def rloo(batch: TrainBatch, whiten: bool = False) -> torch.Tensor:
 
 def _token_rewards(batch: TrainBatch, final: torch.Tensor) -> torch.Tensor:
     """``[B, L-1]``: the sequence reward at its last response token, less the token KL penalties."""
+    import torch
+
     mask = batch.loss_mask
     rewards = torch.zeros_like(mask)
     last = (mask * torch.arange(mask.shape[1])).argmax(dim=1)
@@ -102,6 +109,8 @@ def _returns(batch: TrainBatch, final: torch.Tensor, gamma: float) -> torch.Tens
     """Discounted return at each response token of the token rewards, summed to the end. Observation
     tokens (loss mask 0, e.g. a tool's output between two turns) are skipped: the return carries over
     them undiscounted, so the tokens before a tool call get the credit of what follows."""
+    import torch
+
     mask, rewards = batch.loss_mask, _token_rewards(batch, final)
     returns = torch.zeros_like(rewards)
     running = torch.zeros(len(mask))
@@ -140,6 +149,8 @@ def ppo(batch: TrainBatch, gamma: float = 1.0, lam: float = 0.95, whiten: bool =
     """PPO with GAE: ``delta_t = rew_t + gamma V_{t+1} - V_t``, ``A_t = sum_l (gamma lam)^l delta_{t+l}``
     over the response tokens (observation tokens are skipped), value targets ``A + V`` (set as
     ``batch.returns`` for the value model); advantages whitened over the batch."""
+    import torch
+
     mask, values = batch.loss_mask, batch.values * batch.loss_mask
     rewards = _token_rewards(batch, batch.rewards)
     advantages = torch.zeros_like(mask)

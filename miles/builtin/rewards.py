@@ -1,15 +1,14 @@
 """Registers the builtin rewards: the reward library of :mod:`miles.rewards`."""
 
 from miles import hookimpl
-from miles.rewards import CodeTests, FormatReward, env, exact_match, math_reward, multiple_choice, token_f1
 
 
 @hookimpl(trylast=True)
 def miles_register_rewards(register):
-    register("exact_match", exact_match)
-    register("env", env)
-    register("math", math_reward)
-    register("multiple_choice", multiple_choice)
-    register("f1", token_f1)
-    register("format", FormatReward)
-    register("code_tests", CodeTests)
+    register("exact_match", "miles.rewards.simple:exact_match")
+    register("env", "miles.rewards.simple:env")
+    register("math", "miles.rewards.math_answer:math_reward")
+    register("multiple_choice", "miles.rewards.multiple_choice:multiple_choice")
+    register("f1", "miles.rewards.token_f1:token_f1")
+    register("format", "miles.rewards.format:FormatReward")
+    register("code_tests", "miles.rewards.code_tests:CodeTests")

@@ -2,14 +2,13 @@
 (:mod:`miles.agentic.tool_env`)."""
 
 from miles import hookimpl
-from miles.agentic.tool_env import ToolEnv, execute_python_code
 
 
 @hookimpl(trylast=True)
 def miles_register_tools(register):
-    register("execute_python_code", execute_python_code)
+    register("execute_python_code", "miles.agentic.tool_env:execute_python_code")
 
 
 @hookimpl(trylast=True)
 def miles_register_envs(register):
-    register("tool_env", ToolEnv)
+    register("tool_env", "miles.agentic.tool_env:ToolEnv")

@@ -1,9 +1,8 @@
 """Entry point of the ``miles-kernels`` plugin (group ``miles``)."""
 
 import miles
-from miles_kernels.kernel import TritonKernel
 
 
 @miles.hookimpl
 def miles_register_logprob_kernels(register):
-    register("triton", TritonKernel)
+    register("triton", "miles_kernels.kernel:TritonKernel")

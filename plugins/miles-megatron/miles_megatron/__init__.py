@@ -1,5 +1,10 @@
 """Miles training backend on megatron-core (registered as ``megatron``)."""
 
-from miles_megatron.backend import MegatronBackend
+import miles
+
+# imported when first used: loading the plugin's entry point imports none of their dependencies
+__getattr__ = miles.lazy_exports(__name__, {
+    "MegatronBackend": "miles_megatron.backend",
+})
 
 __all__ = ["MegatronBackend"]

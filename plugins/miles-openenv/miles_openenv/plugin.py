@@ -1,9 +1,8 @@
 """Entry point of the ``miles-openenv`` plugin (group ``miles``): registers env ``openenv``."""
 
 import miles
-from miles_openenv.env import OpenEnvEnv
 
 
 @miles.hookimpl
 def miles_register_envs(register):
-    register("openenv", OpenEnvEnv)
+    register("openenv", "miles_openenv.env:OpenEnvEnv")

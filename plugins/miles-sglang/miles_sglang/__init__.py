@@ -1,5 +1,11 @@
 """Real SGLang servers as Miles rollout engines (``rollout.engine.name: sglang``)."""
 
-from miles_sglang.launcher import SGLangLauncher, sglang_argv
+import miles
+
+# imported when first used: loading the plugin's entry point imports none of their dependencies
+__getattr__ = miles.lazy_exports(__name__, {
+    "SGLangLauncher": "miles_sglang.launcher",
+    "sglang_argv": "miles_sglang.launcher",
+})
 
 __all__ = ["SGLangLauncher", "sglang_argv"]

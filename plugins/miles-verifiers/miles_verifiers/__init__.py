@@ -2,10 +2,15 @@
 model calls go through Miles' session server, a verifiers taskset's rewards as a Miles reward, and its tasks as
 Miles data. verifiers runs in a venv of its own (:mod:`miles_verifiers.venv`), driven by a worker process."""
 
-from miles_verifiers.agent import rollout
-from miles_verifiers.client import close_workers
-from miles_verifiers.data import verifiers_tasks
-from miles_verifiers.reward import VerifiersReward
-from miles_verifiers.venv import ensure_venv
+import miles
+
+# imported when first used: loading the plugin's entry point imports none of their dependencies
+__getattr__ = miles.lazy_exports(__name__, {
+    "rollout": "miles_verifiers.agent",
+    "close_workers": "miles_verifiers.client",
+    "verifiers_tasks": "miles_verifiers.data",
+    "VerifiersReward": "miles_verifiers.reward",
+    "ensure_venv": "miles_verifiers.venv",
+})
 
 __all__ = ["rollout", "VerifiersReward", "verifiers_tasks", "close_workers", "ensure_venv"]

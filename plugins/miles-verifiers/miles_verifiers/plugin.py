@@ -3,15 +3,13 @@
 needs no registration: Miles' ``agent`` rollout function imports it, and calls its ``check_args`` at start."""
 
 import miles
-from miles_verifiers.data import verifiers_tasks
-from miles_verifiers.reward import VerifiersReward
 
 
 @miles.hookimpl
 def miles_register_rewards(register):
-    register("verifiers", VerifiersReward)
+    register("verifiers", "miles_verifiers.reward:VerifiersReward")
 
 
 @miles.hookimpl
 def miles_register_data_generators(register):
-    register("verifiers_tasks", verifiers_tasks)
+    register("verifiers_tasks", "miles_verifiers.data:verifiers_tasks")

@@ -1,0 +1,59 @@
+"""Commands that only look (``miles --help``, ``miles plugins``) and ``import miles`` import none of the heavy
+packages: every installed plugin registers its components by import path or imports its dependencies lazily.
+
+Each check runs in a fresh interpreter and reads its ``sys.modules``; times are in benchmarks/startup.py."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "transformers", "ray", "datasets", "numpy", "aiohttp", "tokenizers")
+
+PROBE = """
+import contextlib, io, json, sys
+{body}
+print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
+"""
+
+CLI = """
+from miles.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        main({argv!r})
+    except SystemExit as exit:
+        assert exit.code in (0, None), exit.code
+"""
+
+
+def heavy_modules(body: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", PROBE.format(body=body, heavy=HEAVY)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_miles_imports_no_heavy_package():
+    assert heavy_modules("import miles; from miles import Sample, Group, TrainBatch, hookimpl, tool") == []
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["plugins"], ["plugins", "--json"], ["train", "--help"]])
+def test_looking_commands_import_no_heavy_package(argv):
+    assert heavy_modules(CLI.format(argv=argv)) == []
+
+
+def test_every_installed_plugin_registers_without_importing_heavy_packages():
+    body = ("from miles.plugins import build_plugin_manager\nfrom miles.registry import Registry\n"
+            "pm = build_plugin_manager()\nregistry = Registry.from_plugin_manager(pm)\n"
+            "assert len(pm.info) > 15, sorted(pm.info)")
+    assert heavy_modules(body) == []
+
+
+def test_a_train_batch_still_builds_its_tensors():
+    """The types import torch where they use it."""
+    from miles import Sample, TrainBatch
+
+    batch = TrainBatch.from_samples([Sample([1, 2], response_ids=[3], loss_mask=[1], rollout_logprobs=[-0.5])], 0)
+    assert batch.input_ids.tolist() == [[1, 2, 3]] and batch.loss_mask.tolist() == [[0.0, 1.0]]
+    assert len(batch.select([0])) == 1

@@ -185,6 +185,9 @@ class RunConfig:
                                      "refused)")
     save_rollouts: bool = key(False, doc="Write every step's training samples to `<dir>/rollouts/` (token-exact) "
                                          "for `miles replay`")
+    trajectories: int = key(2, ge=0, doc="Groups of each step written to `<dir>/trajectories/` token by token "
+                                         "(log-probs, loss mask, advantages) for `miles view` and `miles report`; "
+                                         "0: none. Costs one more forward pass over their samples")
     rollout_only: bool = key(False, doc="Generate, score and select every step; no training, no weight push")
     loggers: Any = key(factory=lambda: [{"name": "jsonl"}], doc="Metric logger nodes")
     plugins: PluginsConfig = key(factory=PluginsConfig, doc="Which installed plugins to load")

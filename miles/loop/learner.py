@@ -18,6 +18,7 @@ import torch
 
 from miles.hookspecs import NeedsValues
 from miles.loop.distill import Teacher, distill_advantages
+from miles.loop.trajectories import TrajectoryWriter
 from miles.train.regularizers import kl_estimate, regularized
 from miles.types import Group, Sample, TrainBatch
 
@@ -36,6 +37,7 @@ class Learner:
     teacher: Teacher | None = None  # on-policy distillation's per-token advantages
     # run.save_rollouts: called with each step's training samples before they train (miles.loop.saved_rollouts)
     save_rollouts: Callable[[int, list[Sample]], None] | None = None
+    trajectories: TrajectoryWriter | None = None  # run.trajectories: a few groups of each step, for people to read
 
     @classmethod
     def from_config(cls, p: Any, backend: Any, pad_token_id: int, **parts: Any) -> Learner:
@@ -84,6 +86,8 @@ class Learner:
                                                                  self.teacher.reward_coef)
                 metrics.update(distilled)
             metrics["train/nonzero_adv_frac"] = float((batch.advantages.abs().sum(dim=1) > 0).float().mean())
+            if self.trajectories is not None:
+                self._show(step, groups, train_samples, batch)
             train_start = time.perf_counter()
             advantage_s = train_start - advantage_start
             metrics.update(self.backend.train_step(batch, self.loss_fn))
@@ -91,11 +95,35 @@ class Learner:
             metrics["train/tokens_per_s"] = int(batch.attention_mask.sum()) / train_s
         else:
             metrics["train/tokens_per_s"] = 0.0
+            if self.trajectories is not None:
+                self._show(step, groups, train_samples, None)
         metrics["train/samples"] = len(rows)
         metrics["time/train_s"] = train_s
         metrics["time/logprob_s"] = logprob_s
         metrics["time/advantage_s"] = advantage_s
         return trains
+
+    def _show(self, step: int, groups: list[Group], train_samples: list[Sample], batch: TrainBatch | None) -> None:
+        """Write the step's first groups for people to read, with the trainer's log-probs of the weights that are
+        about to train (one more forward pass over those samples) and each token's advantage."""
+        writer = self.trajectories
+        shown = writer.shown(groups)
+        if not shown:
+            return
+        row_of = {id(s): i for i, s in enumerate(train_samples)}
+        rows = [row_of[id(s)] for s in shown if id(s) in row_of] if batch is not None else []
+        logprobs = self.backend.compute_logprobs(batch.select(rows)) if rows else None
+        records = []
+        for sample in shown:
+            row = row_of.get(id(sample)) if rows else None
+            if row is None:
+                records.append(writer.record(step, sample, None, None))
+                continue
+            start = len(sample.prompt_ids) - 1  # response token i is predicted at column start + i
+            end = start + len(sample.response_ids)
+            records.append(writer.record(step, sample, batch.advantages[row, start:end].tolist(),
+                                         logprobs[rows.index(row), start:end].tolist()))
+        writer.write(step, records)
 
 
 def segment_advantages(batch: TrainBatch, advantage_fn: Callable, owners: list[int]) -> torch.Tensor:

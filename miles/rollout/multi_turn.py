@@ -117,6 +117,7 @@ class MultiTurn:
         sample.images = list(trajectory.conversation.images)
         sample.metadata["tools"] = dict.fromkeys(TOOL_STATS, 0)
         sample.metadata["exec_s"] = []
+        sample.metadata["tool_calls"] = []
         sample.metadata["tito"] = dict.fromkeys(TITO_STATS, 0)
 
     def _room(self, sample: Sample, ctx: RolloutContext) -> tuple[int, str]:
@@ -178,6 +179,8 @@ class MultiTurn:
                     return False
             valid = checked.valid
             stats["calls"] += len(checked.calls)
+            sample.metadata["tool_calls"] += [{"turn": sample.turns, "name": c.name, "arguments": c.arguments,
+                                               "error": c.error} for c in checked.calls]
             stats["parse_errors"] += checked.parse_errors
             stats["schema_errors"] += checked.schema_errors
             conversation.add_policy_turn(turn.message, turn_ids[-1] if turn_ids else None, cut=cut)

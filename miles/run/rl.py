@@ -15,6 +15,7 @@ from miles.loop.distill import make_teacher
 from miles.loop.evaluation import evaluate, evaluate_sets
 from miles.loop.learner import Learner
 from miles.loop.saved_rollouts import RolloutWriter
+from miles.loop.trajectories import TrajectoryWriter
 from miles.loop.schedules import make_schedule, stream_settings
 from miles.loop.step import Step
 from miles.rollout.assemble import close_with_run, rollout_context, rollout_plane
@@ -53,7 +54,8 @@ class RLPhase:
         self.ctx = rollout_context(p, plane, run.tokenizer, model_path, run.chat_format, run.seed, run.run_dir.name,
                                    run.closing, return_routed_experts=config.rollout.return_routed_experts)
         writer = RolloutWriter(run.run_dir, model_path, run.pad_token_id) if run_cfg.save_rollouts else None
-        learner = Learner.from_config(p, self.backend, run.pad_token_id, save_rollouts=writer,
+        shown = TrajectoryWriter(run.run_dir, run.tokenizer, run_cfg.trajectories) if run_cfg.trajectories else None
+        learner = Learner.from_config(p, self.backend, run.pad_token_id, save_rollouts=writer, trajectories=shown,
                                       teacher=make_teacher(config.distill, p, model_path, run.closing))
         selectors = [(component_node(n)["name"],
                       p.registry.build("data_selector", component_node(n), f"selection[{i}]"))

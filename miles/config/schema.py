@@ -66,7 +66,8 @@ class ModelBuildConfig:
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = key(None, doc="An HF-format model directory; when unset, a model is built from `build`")
+    path: Optional[str] = key(None, doc="An HF-format model directory or a Hugging Face Hub id (`Qwen/Qwen3-0.6B`, "
+                                        "fetched once into the Hub's cache); when unset, a model is built from `build`")
     build: ModelBuildConfig = key(factory=ModelBuildConfig, doc="The architecture of a built model (random init)")
     tokenizer: TokenizerConfig = key(factory=TokenizerConfig, doc="The tokenizer of a built model")
     chat_format: str = key("auto", doc="How the model family talks in multi-turn rollouts: a registered chat format, "
@@ -79,8 +80,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: Optional[str] = key(None, doc="Training prompts: a JSONL or Parquet file")
-    eval_path: Optional[str] = key(None, doc="Held-out prompts for evaluation")
+    train_path: Optional[str] = key(None, doc="Training prompts: a JSONL or Parquet file, or `hf:ORG/NAME`, a Hugging "
+                                              "Face Hub dataset (its split `train_split`, kept in `<dir>/data/`)")
+    eval_path: Optional[str] = key(None, doc="Held-out prompts for evaluation (a file, or `hf:ORG/NAME`: its split "
+                                             "`eval_split`)")
+    hub_subset: Optional[str] = key(None, doc="The subset (configuration) of `hf:` datasets, e.g. `main`")
+    train_split: str = key("train", doc="The split of an `hf:` `train_path`")
+    eval_split: str = key("test", doc="The split of an `hf:` `eval_path`")
     generator: Any = key(None, doc="A data generator node: its train and eval splits are written under the run dir")
     prompt_key: str = key("prompt", doc="The column holding the prompt: text, or a list of chat messages")
     label_key: str = key("label", doc="The column holding the label")

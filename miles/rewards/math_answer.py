@@ -67,7 +67,8 @@ def _check_math_args(args: dict[str, Any]) -> None:
         raise ValueError(f"compare_timeout_s: expected a positive number of seconds, "
                          f"got {args['compare_timeout_s']!r}")
     if importlib.util.find_spec("math_verify") is None:
-        raise ValueError("the math reward needs math-verify: pip install 'math-verify[antlr4_13_2]==0.9.0'")
+        raise ValueError("the math reward needs math-verify: "
+                         "pip install math-verify==0.9.0 antlr4-python3-runtime==4.13.2")
 
 
 math_reward.check_args = _check_math_args  # type: ignore[attr-defined]
@@ -125,6 +126,8 @@ def _clean(answer: str) -> str:
 def _gold(label: Any) -> str:
     text = str(require_label(label, math_reward.label_types))
     boxed = last_boxed(text)
+    if boxed is None and "####" in text:  # a worked solution ending "#### 72" (GSM8K's answer column)
+        return _clean(text.rsplit("####", 1)[1])
     return _clean(boxed if boxed is not None else text)
 
 
@@ -174,8 +177,8 @@ class _Worker:
         ready = self._read_line(time.monotonic() + STARTUP_TIMEOUT_S)
         if ready is None or json.loads(ready).get("ready") is not True:
             self.kill()
-            raise RuntimeError(f"the math comparison process did not start within {STARTUP_TIMEOUT_S:g} s "
-                               f"(is math-verify installed? pip install 'math-verify[antlr4_13_2]==0.9.0')")
+            raise RuntimeError(f"the math comparison process did not start within {STARTUP_TIMEOUT_S:g} s (is "
+                               f"math-verify installed? pip install math-verify==0.9.0 antlr4-python3-runtime==4.13.2)")
 
     def ask(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
         """The reply, or None when none came within ``timeout_s``."""

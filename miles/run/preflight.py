@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from miles.run.hub import is_hub_data, model_folder, stage_hub_split
 from miles.run.lock import LOCK_NAME
 from miles.run.checkpoint import Checkpoint, check_compatible, model_signature, newest_intact_checkpoint
 from miles.config.schema import EvalDatasetConfig, EvalSamplingConfig
@@ -108,25 +109,30 @@ def _trial_backends(p: Any) -> Any:
 
 def _stage_data(p: Any, staging: Path) -> tuple[str, str | None]:
     cfg = p.config.data
+    train_path, eval_path = cfg.train_path, cfg.eval_path
+    if is_hub_data(train_path):  # a Hub dataset's split, kept in the run directory's data/
+        train_path = str(stage_hub_split(train_path, cfg.hub_subset, cfg.train_split,
+                                         staging / "data" / "train.parquet", "data.train_path"))
+    if is_hub_data(eval_path):
+        eval_path = str(stage_hub_split(eval_path, cfg.hub_subset, cfg.eval_split,
+                                        staging / "data" / "eval.parquet", "data.eval_path"))
     if cfg.generator is None:
-        return cfg.train_path, cfg.eval_path
+        return train_path, eval_path
     splits = p.build("data_generator", "data.generator")(int(p.config.run.seed))
     if "train" not in splits:
         raise DataError(f"data generator {cfg.generator.name!r} returned no 'train' split (got {', '.join(splits)})")
-    (staging / "data").mkdir()
+    (staging / "data").mkdir(exist_ok=True)
     paths = {}
     for split, rows in splits.items():
         paths[split] = staging / "data" / f"{split}.jsonl"
         paths[split].write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(cfg.train_path or paths["train"]), str(cfg.eval_path or paths.get("eval") or "") or None
+    return str(train_path or paths["train"]), str(eval_path or paths.get("eval") or "") or None
 
 
 def _stage_model(p: Any, staging: Path) -> tuple[str, bool]:
     path = p.config.model.path
     if path is not None:
-        if not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"model.path {path!r} is not an HF model directory (no config.json there)")
-        return str(path), False
+        return model_folder(str(path)), False
     out = build_model_dir(p.config.model.build, p.config.model.tokenizer, staging / "init_model",
                           int(p.config.run.seed))
     return str(out), True

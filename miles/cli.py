@@ -97,6 +97,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_view(args: argparse.Namespace) -> int:
+    from miles.run.viewer_server import serve
+
+    serve(args.run_dir, host=args.host, port=args.port)
+    return 0
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     from miles.run.replay import replay
 
@@ -277,6 +284,12 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (run.dir)")
     report.add_argument("--out", default=None, help="where to write the plots and index.html (default RUN_DIR/report)")
     report.set_defaults(func=_cmd_report)
+
+    view = sub.add_parser("view", help="browse a run's trajectories (run.trajectories) token by token in a browser")
+    view.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (run.dir), finished or still running")
+    view.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
+    view.add_argument("--port", type=int, default=0, help="0: any free port (the URL is printed)")
+    view.set_defaults(func=_cmd_view)
 
     replay = sub.add_parser(
         "replay", help="train on a run's saved rollouts (run.save_rollouts) again, without an engine",

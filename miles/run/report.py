@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.errors import ConfigError, DataError
+from miles.run.viewer import completions_section, write_viewer
 
 __all__ = ["PLOTS", "Plot", "Report", "write_report"]
 
@@ -188,6 +189,7 @@ class Report:
     index: Path
     plots: dict[str, Path] = field(default_factory=dict)  # name: PNG file
     skipped: dict[str, str] = field(default_factory=dict)  # name: why
+    trajectories: Path | None = None  # the static trajectory viewer's index.html (None: the run wrote none)
 
 
 def read_metrics(run_dir: Path) -> Metrics:
@@ -253,6 +255,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
             ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
         report.plots[plot.name] = out / f"{plot.name}.png"
         figure.savefig(report.plots[plot.name])
+    report.trajectories = write_viewer(run_dir, out / "trajectories", back="../index.html")
     report.index.write_text(_index_html(run_dir, metrics, summary, report), encoding="utf-8")
     return report
 
@@ -307,5 +310,6 @@ def _index_html(run_dir: Path, metrics: Metrics, summary: dict[str, Any], report
     if report.skipped:
         parts.append("<h2>Skipped plots</h2><ul>" + "".join(
             f"<li><b>{e(name)}</b>: {e(why)}</li>" for name, why in report.skipped.items()) + "</ul>")
+    parts.append(completions_section(run_dir, report.trajectories))
     parts.append("</body></html>\n")
     return "\n".join(parts)

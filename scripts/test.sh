@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The whole suite: the linter, the import contracts (setup.cfg), then the tests of tests/ and plugins/*/tests
+# on a worker per core (up to 4). Arguments go to pytest: bash scripts/test.sh -m "not slow".
+# Needs the set-up of scripts/setup.sh (run it first on a fresh clone).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1
+. .venv/bin/activate
+ruff check
+lint-imports
+pytest -n auto --maxprocesses 4 "$@"

@@ -65,7 +65,8 @@ def test_tensorboard_and_wandb_record_the_run(tmp_path, offline_wandb):
                "{name: wandb, project: miles-test, run_name: quick, tags: [ci, tiny]}]")
     stderr = io.StringIO()  # not a terminal: plain progress lines
     with contextlib.redirect_stderr(stderr):
-        code = main(["train", *QUICK, f"run.dir={run_dir}", "sft.steps=2", "run.steps=4", loggers])
+        code = main(["train", *QUICK, f"run.dir={run_dir}", "sft.steps=2", "run.steps=4", "run.save_every=2",
+                     loggers])
     assert code == 0, stderr.getvalue()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [row for row in rows if "reward/mean" in row]
@@ -76,6 +77,11 @@ def test_tensorboard_and_wandb_record_the_run(tmp_path, offline_wandb):
     assert "\r" not in stderr.getvalue()
     assert any(line.startswith("grpo: 4/4 (reward=") and "step_s=" in line for line in lines), lines
     assert any(line.startswith("sft: 2/2 (loss=") and "step_s=" in line for line in lines), lines
+    # the long phases say when they start and end: evaluation (before and after RL), each checkpoint save
+    evaluating = [line for line in lines if line.startswith("evaluating on ")]
+    assert len(evaluating) >= 4 and evaluating[0].endswith(" ...") and ": done in " in evaluating[1], lines
+    assert [line for line in lines if line.startswith("saving the checkpoint of step 2")][-1].startswith(
+        "saving the checkpoint of step 2: done in "), lines
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from typing import IO, Any
 
-__all__ = ["progress", "PlainProgress"]
+__all__ = ["progress", "phase", "PlainProgress"]
 
 
 class PlainProgress:
@@ -52,3 +54,16 @@ def progress(total: int, desc: str, enabled: bool, file: IO[str] | None = None) 
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, disable=not enabled, file=file, dynamic_ncols=True, leave=True)
+
+
+@contextlib.contextmanager
+def phase(what: str, enabled: bool = True, file: IO[str] | None = None) -> Iterator[None]:
+    """A line when a long phase starts (``what ...``) and one when it ends (``what: done in 12.3 s``), so that a
+    run that saves a checkpoint or evaluates is not taken for a hung one; silent when not ``enabled``."""
+    file = file or sys.stderr
+    start = time.perf_counter()
+    if enabled:
+        print(f"{what} ...", file=file, flush=True)
+    yield
+    if enabled:
+        print(f"{what}: done in {time.perf_counter() - start:.1f} s", file=file, flush=True)

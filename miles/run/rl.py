@@ -22,7 +22,7 @@ from miles.rollout.assemble import close_with_run, rollout_context, rollout_plan
 from miles.rollout.collect import GroupCollector
 from miles.rollout.data_source import PromptSource
 from miles.run.checkpoint import model_signature, save_checkpoint
-from miles.run.progress import progress
+from miles.run.progress import phase, progress
 from miles.run.state import RunState, frozen_heap, rewind_loggers
 from miles.train.assemble import rl_backend
 from miles.train.process_backend import separate_trainer
@@ -107,12 +107,17 @@ class RLPhase:
         """The greedy accuracy on run.eval_size held-out and training prompts, and the eval section's datasets."""
         run, c, eval_start = self.run, self.c, time.perf_counter()
         result: dict[str, float] = {}
-        if greedy_accuracy and run.eval_prompts:
-            args = (c.rollout_fn, self.greedy, c.reward_fn, run.p.config.run.eval_pass_reward)
-            result.update(evaluate(run.eval_prompts, *args))
-            result.update({f"{k}_train": v for k, v in evaluate(self.train_eval_prompts, *args).items()})
-        if datasets and run.eval_sets:
-            result.update(evaluate_sets(run.eval_sets, c.rollout_fn, self.sampled, c.reward_fn))
+        greedy_accuracy = greedy_accuracy and bool(run.eval_prompts)
+        datasets = datasets and bool(run.eval_sets)
+        what = " and ".join(([f"{len(run.eval_prompts)} held-out and {len(self.train_eval_prompts)} training prompts"]
+                             if greedy_accuracy else []) + ([f"{len(run.eval_sets)} eval set(s)"] if datasets else []))
+        with phase(f"evaluating on {what}", bool(what) and run.p.config.run.progress):
+            if greedy_accuracy:
+                args = (c.rollout_fn, self.greedy, c.reward_fn, run.p.config.run.eval_pass_reward)
+                result.update(evaluate(run.eval_prompts, *args))
+                result.update({f"{k}_train": v for k, v in evaluate(self.train_eval_prompts, *args).items()})
+            if datasets:
+                result.update(evaluate_sets(run.eval_sets, c.rollout_fn, self.sampled, c.reward_fn))
         run.timed("eval", eval_start)
         return result
 
@@ -126,8 +131,9 @@ class RLPhase:
                       # in-process engines' sampling RNGs (remote engines keep theirs; see docs/checkpoints.md)
                       "engine_rng": [engine.rng_state() for engine in self.plane.local_engines],
                       "collector": self.c.collector.state_dict()}
-        path = save_checkpoint(run.run_dir / "checkpoints", state, loop_state, self.backend,
-                               keep=config.run.keep_checkpoints)
+        with phase(f"saving the checkpoint of step {steps_done}", config.run.progress):
+            path = save_checkpoint(run.run_dir / "checkpoints", state, loop_state, self.backend,
+                                   keep=config.run.keep_checkpoints)
         run.p.pm.hook.miles_checkpoint_save(path=str(path), step=steps_done)
         run.timed("checkpoint", save_start)
 

@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -90,9 +92,14 @@ def ensure_venv(python: str | None = None, *, quiet: bool = True) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait, then use its venv
         if not (target / _MARKER).is_file():
             shutil.rmtree(target, ignore_errors=True)  # a build that was interrupted
+            started = time.perf_counter()
+            print(f"miles-nemo-gym: building NeMo Gym's venv at {target} (once; a few minutes) ...", file=sys.stderr,
+                  flush=True)
             output = subprocess.DEVNULL if quiet else None
             subprocess.run([python, "-m", "venv", str(target)], check=True, stdout=output)
             subprocess.run([str(target / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check",
                             *(["--quiet"] if quiet else []), nemo_gym_requirement()], check=True, stdout=output)
             (target / _MARKER).write_text(nemo_gym_requirement() + "\n")
+            print(f"miles-nemo-gym: NeMo Gym's venv built in {time.perf_counter() - started:.0f} s", file=sys.stderr,
+                  flush=True)
     return venv_python()

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from importlib.metadata import requires
 from pathlib import Path
 
@@ -60,9 +61,14 @@ def ensure_venv(extra: list[str] | tuple[str, ...] = ()) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (root / COMPLETE).is_file():
             shutil.rmtree(root, ignore_errors=True)
+            started = time.perf_counter()
+            print(f"miles-verifiers: building verifiers' venv at {root} (once; a few minutes) ...", file=sys.stderr,
+                  flush=True)
             _run([sys.executable, "-m", "venv", str(root)])
             _pip(root, list(requirements()))
             (root / COMPLETE).write_text("\n".join(requirements()) + "\n")
+            print(f"miles-verifiers: verifiers' venv built in {time.perf_counter() - started:.0f} s", file=sys.stderr,
+                  flush=True)
         if extra:
             _pip(root, list(extra))
     return root / "bin" / "python"

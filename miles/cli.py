@@ -253,6 +253,14 @@ def _cmd_sandbox_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_new(args: argparse.Namespace) -> int:
+    """A plugin package to start from: pyproject with the entry point, the plugin module, its tests, a README."""
+    from miles.scaffold import new_plugin
+
+    print(new_plugin(args.name, args.kind, args.dir).summary())
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miles", description="RL post-training of language models.")
     parser.add_argument("--version", action="version", version=f"miles {__version__}")
@@ -361,6 +369,19 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--vocabulary", choices=("qwen", "deepseek"),
                        help="without a directory: a real BPE vocabulary with the format's tokens added")
     check.set_defaults(func=_cmd_chat_format_check)
+
+    new = sub.add_parser("new", help="start something from a template: miles new plugin NAME --kind KIND")
+    new_sub = new.add_subparsers(dest="new_command", required=True)
+    new_plugin = new_sub.add_parser(
+        "plugin", help="write a plugin package (entry point, plugin module, tests, README) to install and fill in",
+        description="Write PARENT/NAME: a package whose plugin registers one component of KIND under a name derived "
+                    "from NAME (my-reward: reward 'my_reward'), with its tests and a README. Refused when the name "
+                    "is taken or the folder is not empty. See docs/plugins.md.")
+    new_plugin.add_argument("name", metavar="NAME", help="the distribution's name, e.g. my-reward")
+    new_plugin.add_argument("--kind", required=True,
+                            help="what it registers: reward, env, tool, advantage, loss or data_selector")
+    new_plugin.add_argument("--dir", default=".", metavar="PARENT", help="where to write NAME/ (default: here)")
+    new_plugin.set_defaults(func=_cmd_new)
 
     router = sub.add_parser("router", help="the router in front of engines")
     router_sub = router.add_subparsers(dest="router_command", required=True)

@@ -147,16 +147,17 @@ def new_plugin(dist: str, kind: str, parent: str | Path = ".") -> Scaffolded:
 
 
 def _render(kind: str, values: dict[str, str]) -> dict[str, str]:
-    """The package's files (relative path -> text): the shared templates, then the kind's."""
+    """The package's files (relative path -> text): the kind's templates, then the shared ones (the shared test
+    goes after the kind's tests)."""
     templates = importlib.resources.files(__name__) / "templates"
     files: dict[str, str] = {}
-    for folder in ("common", kind):
+    for folder in (kind, "common"):
         for template in sorted((templates / folder).iterdir(), key=lambda t: t.name):
             if not template.name.endswith(".tmpl"):
                 continue
             relative = Template(_DESTINATIONS[template.name.removesuffix(".tmpl")]).substitute(values)
             text = Template(template.read_text()).substitute(values)
-            files[relative] = f"{text}\n\n{files[relative]}" if relative in files else text
+            files[relative] = f"{files[relative]}\n\n{text}" if relative in files else text
     return files
 
 

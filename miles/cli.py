@@ -25,7 +25,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         with interrupts.handling():
             prepared = prepare(args.config, args.overrides)
             train(prepared)
-    except (KeyboardInterrupt, Terminated):
+    except BaseException as exc:
+        interrupted = interrupts.interruption(exc)
+        if interrupted is None:
+            raise
         if prepared is not None:  # the run's last checkpoint, and how to continue from it
             from pathlib import Path
 
@@ -34,7 +37,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             run = prepared.config.run
             print(resume_hint(Path(run.dir), int(run.save_every), ["miles", "train", args.config, *args.overrides]),
                   file=sys.stderr)
-        raise
+        raise interrupted from None
     return 0
 
 
@@ -413,10 +416,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"miles: error: {problem}", file=sys.stderr)
         return 1
-    except Terminated:
-        print("miles: terminated (SIGTERM)", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    except KeyboardInterrupt:
+    except BaseException as exc:  # an interruption, or an error raised while one unwound the run (interruption())
+        interrupted = interrupts.interruption(exc)
+        if interrupted is None:
+            raise
+        if isinstance(interrupted, Terminated):
+            print("miles: terminated (SIGTERM)", file=sys.stderr)
+            return 128 + signal.SIGTERM
         print("miles: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
 

@@ -23,8 +23,8 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["Terminated", "handling", "check", "run", "TimedOut", "with_time_limit", "time_limit", "within",
-           "failure_reason"]
+__all__ = ["Terminated", "handling", "check", "run", "interruption", "TimedOut", "with_time_limit", "time_limit",
+           "within", "failure_reason"]
 
 T = TypeVar("T")
 
@@ -38,6 +38,21 @@ _pending: int | None = None
 
 def _raise(signum: int) -> None:
     raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+
+def interruption(exc: BaseException) -> KeyboardInterrupt | None:
+    """The interruption (Ctrl-C, SIGTERM) that ``exc`` is, or that it was raised while handling; None when neither.
+
+    A signal raises wherever the main thread is: inside ``threading.Condition.wait`` (a future's ``result``) it
+    can land between the lock's release and its re-acquisition, and the ``with`` around the wait then fails with
+    "RuntimeError: cannot release un-acquired lock" in place of the interruption. The run was still interrupted."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__context__  # type: ignore[assignment]
+    return None
 
 
 def _on_signal(signum: int, frame: object) -> None:

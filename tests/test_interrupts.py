@@ -152,3 +152,39 @@ def test_after_the_block_the_handlers_are_back_and_nothing_is_pending(monkeypatc
         return 7
 
     assert interrupts.run(answer()) == 7
+
+
+def _lock_left_released(interruption):
+    """What CI saw: the signal lands in ``Condition.wait`` after the lock's release, and the ``with`` around the wait
+    fails to release it again, raising RuntimeError while the interruption unwinds."""
+    lock = threading.RLock()  # a Condition's lock, as a future's
+    with threading.Condition(lock):
+        lock.release()  # Condition.wait's _release_save, just before the signal handler raised
+        raise interruption
+
+
+@pytest.mark.parametrize("interruption, code, said", [(KeyboardInterrupt, 130, "miles: interrupted"),
+                                                      (interrupts.Terminated, 143, "miles: terminated (SIGTERM)")])
+def test_an_error_raised_while_an_interruption_unwinds_is_reported_as_the_interruption(monkeypatch, capsys,
+                                                                                        interruption, code, said):
+    from miles import cli
+
+    with pytest.raises(RuntimeError, match="un-acquired lock") as raised:
+        _lock_left_released(interruption)
+    assert interrupts.interruption(raised.value).__class__ is interruption
+    assert interrupts.interruption(RuntimeError("a plain error")) is None
+
+    monkeypatch.setattr(cli, "_cmd_plugins", lambda args: _lock_left_released(interruption))
+    assert cli.main(["plugins"]) == code
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+
+
+def test_train_names_the_resume_command_when_the_interruption_came_wrapped(monkeypatch, capsys, tmp_path):
+    from miles import cli
+    from miles.run import runner
+
+    monkeypatch.setattr(runner, "train", lambda prepared: _lock_left_released(KeyboardInterrupt))
+    assert cli.main(["train", "configs/quickstart.yaml", f"run.dir={tmp_path / 'run'}"]) == 130
+    err = capsys.readouterr().err
+    assert "miles: interrupted" in err and "miles train configs/quickstart.yaml" in err, err

@@ -36,6 +36,9 @@ fi
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 run "$PYTHON" -m venv .venv
-# triton: the Triton log-prob kernels of miles-kernels (compiled on GPUs only; imported by their tests here)
-run .venv/bin/pip install --quiet -c constraints.txt "${EDITABLE[@]}" triton
+# The tested set exactly, as a lock file: nothing to resolve (pip's resolver took minutes of CPU over these ranges).
+# It holds triton too: the Triton log-prob kernels of miles-kernels (compiled on GPUs only; their tests import it).
+run .venv/bin/pip install --quiet --no-deps -r constraints.txt
+run .venv/bin/pip install --quiet --no-deps --no-build-isolation "${EDITABLE[@]}"
+run .venv/bin/pip check  # every installed package's requirements met: the lock and the ranges agree
 [[ "${PRINT:-0}" == 1 ]] || echo "setup: done. Next: . .venv/bin/activate && miles train configs/quickstart.yaml"

@@ -197,9 +197,13 @@ def test_served_viewer_shows_the_steps_filters_and_a_multi_turn_sample(retool_ru
         wait_for(browser, "#samples tbody tr")
         assert len(shown_rows(browser)) == len(shown)
 
-        # a trajectory that called the tool: its observation tokens look different from the policy's
-        position = max(range(len(shown)), key=lambda i: shown[i]["loss_mask"].count(0))
-        record = check_sample(browser, retool_run, 2, position)
+        # a trajectory that called the tool and got its output (which step has one depends on the sampling: a
+        # call in a turn cut by the token limit gets no observation): observation tokens look unlike the policy's
+        step, position = next((step, i) for step in steps for i, r in enumerate(records(retool_run, step))
+                              if r["tool_calls"] and 0 in r["loss_mask"])
+        browser.get(url + f"step_{step:06d}.html")
+        wait_for(browser, "#samples tbody tr")
+        record = check_sample(browser, retool_run, step, position)
         assert record["tool_calls"] and 0 in record["loss_mask"] and 1 in record["loss_mask"]
         assert "#sample-" in browser.current_url
         backgrounds = browser.execute_script(

@@ -113,6 +113,7 @@ class Learner:
         row_of = {id(s): i for i, s in enumerate(train_samples)}
         rows = [row_of[id(s)] for s in shown if id(s) in row_of] if batch is not None else []
         logprobs = self.backend.compute_logprobs(batch.select(rows)) if rows else None
+        position = {row: k for k, row in enumerate(rows)}  # a batch row's place among the forward pass's rows
         records = []
         for sample in shown:
             row = row_of.get(id(sample)) if rows else None
@@ -122,7 +123,7 @@ class Learner:
             start = len(sample.prompt_ids) - 1  # response token i is predicted at column start + i
             end = start + len(sample.response_ids)
             records.append(writer.record(step, sample, batch.advantages[row, start:end].tolist(),
-                                         logprobs[rows.index(row), start:end].tolist()))
+                                         logprobs[position[row], start:end].tolist()))
         writer.write(step, records)
 
 

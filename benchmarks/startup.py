@@ -2,8 +2,9 @@
 
     python benchmarks/startup.py [--repeats 5]
 
-`import miles`, `miles --help` and `miles plugins` import no heavy package (tests/test_light_imports.py);
-`miles config` and `miles train` import torch and transformers to check the model and build the run.
+`import miles`, `miles --help`, `miles plugins` and `miles config` import no heavy package
+(tests/test_light_imports.py); `miles config --check` and `miles train` import torch and transformers to load the
+model and build the run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ COMMANDS = {
     "miles --help": [*MILES, "--help"],
     "miles plugins": [*MILES, "plugins"],
     "miles config configs/quickstart.yaml": [*MILES, "config", "configs/quickstart.yaml"],
+    "miles config --check configs/quickstart.yaml": [*MILES, "config", "--check", "configs/quickstart.yaml"],
 }
 
 

@@ -13,7 +13,8 @@ def batched(fn):
     return fn
 
 
-from miles.registry import import_object, lazy_exports  # noqa: E402
+from miles.lazy import lazy_exports, lazy_module  # noqa: E402
+from miles.registry import import_object  # noqa: E402
 from miles.types import Group, LossInputs, Sample, SampleStatus, TrainBatch  # noqa: E402
 from miles.agentic.types import Action, EnvContext, ExecResult, StepResult, Tool, ToolCall, ToolResult, tool  # noqa: E402
 
@@ -23,6 +24,7 @@ __all__ = [
     "batched",
     "import_object",
     "lazy_exports",
+    "lazy_module",
     "Group",
     "LossInputs",
     "Sample",

@@ -57,15 +57,22 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    """The resolved config, after every check ``miles train`` makes before it starts (nothing is written)."""
+    """The resolved config, validated: its keys and values, the plugins it names and their arguments, the backend's
+    options, the run directory. With ``--check``, also every check ``miles train`` makes before it starts (model,
+    tokenizer, data, checkpoint to resume from), which imports torch and transformers. Nothing is written."""
     from omegaconf import OmegaConf
 
-    from miles.run.preflight import preflight
     from miles.config.prepared import prepare
-    from miles.registry import plugin_stack
+    from miles.run.settings import check_settings
 
     p = prepare(args.config, args.overrides)
-    preflight(p, plugin_stack(p.pm, p.registry)).discard()
+    if args.check:
+        from miles.registry import plugin_stack
+        from miles.run.preflight import preflight
+
+        preflight(p, plugin_stack(p.pm, p.registry)).discard()
+    else:
+        check_settings(p)
     print(OmegaConf.to_yaml(p.config), end="")
     return 0
 
@@ -285,6 +292,9 @@ def _parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="print the resolved config (defaults, file, overrides) after validation")
     config.add_argument("config")
     config.add_argument("overrides", nargs="*")
+    config.add_argument("--check", action="store_true",
+                        help="also make every check `miles train` makes before it starts: the model and tokenizer "
+                             "load, the data encodes, the checkpoint to resume from fits, the resources exist")
     config.set_defaults(func=_cmd_config)
 
     plugins = sub.add_parser("plugins", help="list installed plugins and what each registered")

@@ -26,7 +26,7 @@ from typing import Any
 from miles.errors import ConfigError, PluginError
 from miles.plugins import PluginInfo, PluginManager
 
-__all__ = ["KINDS", "Kind", "Entry", "Registry", "nested_nodes", "plugin_stack", "import_object", "lazy_exports"]
+__all__ = ["KINDS", "Kind", "Entry", "Registry", "nested_nodes", "plugin_stack", "import_object"]
 
 
 @dataclass(frozen=True)
@@ -280,17 +280,6 @@ def import_object(path: str) -> Any:
     except Exception as exc:
         raise ValueError(f"cannot import {path!r}: {type(exc).__name__}: {exc}") from exc
     return obj
-
-
-def lazy_exports(package: str, exports: Mapping[str, str]) -> Any:
-    """A module ``__getattr__`` (PEP 562) for ``package`` that imports each name of ``exports`` (name -> the module
-    that defines it) when it is first read: a plugin package re-exports its components without importing their
-    dependencies when Miles loads its entry point. ``__getattr__ = miles.lazy_exports(__name__, {...})``."""
-    def __getattr__(name: str) -> Any:
-        if name not in exports:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(exports[name]), name)
-    return __getattr__
 
 
 def _import_module(name: str) -> Any:

@@ -189,7 +189,7 @@ def test_batch_arithmetic_that_cannot_be_planned_is_a_config_error(capsys, tmp_p
 
 
 def test_the_batch_arithmetic_is_spelled_out():
-    from miles.run.preflight import batch_arithmetic
+    from miles.run.settings import batch_arithmetic
     from miles.run.runner import prepare
 
     config = prepare("configs/quickstart.yaml", ["backend.mini_batches=4", "backend.epochs=2"]).config

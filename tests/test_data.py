@@ -231,7 +231,7 @@ def test_a_run_refuses_unknown_characters_and_records_the_ones_it_allows(tmp_pat
     path = write_jsonl(tmp_path / "train.jsonl", rows)
     args = ["configs/quickstart.yaml", "run.progress=false", "sft.steps=0", "run.steps=1", "run.eval_size=0",
             "rollout.prompts_per_step=2", "rollout.n_samples=2", "data.generator=null", f"data.train_path={path}"]
-    assert main(["config", *args, f"run.dir={tmp_path / 'refused'}"]) == 2
+    assert main(["config", "--check", *args, f"run.dir={tmp_path / 'refused'}"]) == 2
     err = capsys.readouterr().err
     assert f"miles: error: 1 of 10 prompt(s) of data file '{path}' hold text the tokenizer cannot encode" in err
     assert "line 10 (\"３+４=\"): '３' (U+FF13), '４' (U+FF14)" in err

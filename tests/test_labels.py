@@ -180,7 +180,8 @@ def write_jsonl(path, rows):
 
 
 def config_check(capsys, tmp_path, path, *overrides):
-    code = main(["config", CONFIG, *QUICK, f"run.dir={tmp_path / 'run'}", f"data.train_path={path}", *overrides])
+    code = main(["config", "--check", CONFIG, *QUICK, f"run.dir={tmp_path / 'run'}", f"data.train_path={path}",
+                 *overrides])
     return code, capsys.readouterr().err
 
 

@@ -1,11 +1,13 @@
-"""Commands that only look (``miles --help``, ``miles plugins``) and ``import miles`` import none of the heavy
-packages: every installed plugin registers its components by import path or imports its dependencies lazily.
+"""Commands that only look or validate (``miles --help``, ``miles plugins``, ``miles config``) and ``import miles``
+import none of the heavy packages: every installed plugin registers its components by import path, and the
+components a config names import their dependencies when first used (``miles.lazy``).
 
 Each check runs in a fresh interpreter and reads its ``sys.modules``; times are in benchmarks/startup.py."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +43,21 @@ def test_import_miles_imports_no_heavy_package():
 @pytest.mark.parametrize("argv", [["--help"], ["plugins"], ["plugins", "--json"], ["train", "--help"]])
 def test_looking_commands_import_no_heavy_package(argv):
     assert heavy_modules(CLI.format(argv=argv)) == []
+
+
+@pytest.mark.parametrize("config", sorted(str(path) for path in Path("configs").glob("*.yaml")))
+def test_miles_config_validates_every_bundled_config_without_heavy_packages(config):
+    """Plain ``miles config`` reads each component's arguments and checks the backend's options; ``--check``, which
+    loads the model and the data, is the one that imports torch."""
+    assert heavy_modules(CLI.format(argv=["config", config])) == []
+
+
+@pytest.mark.parametrize("overrides", [["backend.name=fsdp2"], ["backend.name=megatron"],
+                                       ["backend.logprob_kernel=triton"],
+                                       ["rollout.engine.name=sglang", "rollout.engine.num_engines=1"]])
+def test_miles_config_stays_light_with_the_bundled_plugins_components(overrides):
+    """The plugins' backends, kernel and engine import torch and their libraries when they start, not when read."""
+    assert heavy_modules(CLI.format(argv=["config", "configs/quickstart.yaml", *overrides])) == []
 
 
 def test_every_installed_plugin_registers_without_importing_heavy_packages():

@@ -295,12 +295,12 @@ def test_multi_turn_samples_carry_routing_for_policy_tokens_only(tmp_path):
                      batch.attention_mask) == 0.0
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["backend.routing_replay=true"], "set rollout.return_routed_experts: true"),
-    (["model.build.arch=qwen3", "rollout.return_routed_experts=true"], "has no mixture-of-experts layers"),
+@pytest.mark.parametrize("check, overrides, message", [
+    ([], ["backend.routing_replay=true"], "set rollout.return_routed_experts: true"),  # the config alone says it
+    (["--check"], ["model.build.arch=qwen3", "rollout.return_routed_experts=true"], "has no mixture-of-experts layers"),
 ])
-def test_routing_options_that_cannot_work_are_config_errors(capsys, tmp_path, overrides, message):
-    code = main(["config", "configs/quickstart.yaml", "model.build.arch=qwen3_moe", f"run.dir={tmp_path}/run",
+def test_routing_options_that_cannot_work_are_config_errors(capsys, tmp_path, check, overrides, message):
+    code = main(["config", *check, "configs/quickstart.yaml", "model.build.arch=qwen3_moe", f"run.dir={tmp_path}/run",
                  *overrides])
     assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()

@@ -69,8 +69,8 @@ def victim(base_run, tmp_path):
      "leave no room for rollout.sampling.max_new_tokens=30 in the model's context of 32 tokens"),
 ])
 def test_a_failed_start_never_changes_the_run_directory(capsys, victim, overrides, expected):
-    for command in ("config", "train"):  # the two commands make the same checks
-        code, err = cli(capsys, command, CONFIG, *SMALL, f"run.dir={victim}", *overrides)
+    for command in (["config", "--check"], ["train"]):  # the two commands make the same checks
+        code, err = cli(capsys, *command, CONFIG, *SMALL, f"run.dir={victim}", *overrides)
         assert code == 2, err
         assert expected in err
         assert "Traceback" not in err

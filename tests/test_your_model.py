@@ -72,11 +72,11 @@ def test_a_hub_id_is_taken_from_the_hubs_cache(checkpoint, parquet, tmp_path):
     env = hub_cache(tmp_path / "hf", "acme/adder", checkpoint[0])
     overrides = ["model.path=acme/adder", f"data.train_path={parquet}", "data.eval_path=null",
                  f"run.dir={tmp_path / 'run'}", *SMALL]
-    out = run_miles("config", CONFIG, *overrides, env=env)
+    out = run_miles("config", "--check", CONFIG, *overrides, env=env)
     assert out.returncode == 0, out.stderr
     assert "path: acme/adder" in out.stdout
     # the same id without the cache entry is refused (the refusals below): it was the cache that answered
-    assert run_miles("config", CONFIG, *overrides, env={"HF_HOME": str(tmp_path / "empty")}).returncode == 2
+    assert run_miles("config", "--check", CONFIG, *overrides, env={"HF_HOME": str(tmp_path / "empty")}).returncode == 2
 
 
 @pytest.mark.parametrize("override, message", [
@@ -90,7 +90,7 @@ def test_what_cannot_be_had_offline_is_refused_naming_it(checkpoint, parquet, tm
     env = {"HF_HOME": str(tmp_path / "hf")}
     overrides = [f"model.path={checkpoint[0]}", f"data.train_path={parquet}", "data.eval_path=null", override,
                  f"run.dir={tmp_path / 'run'}", *SMALL]
-    out = run_miles("config", CONFIG, *overrides, env=env)
+    out = run_miles("config", "--check", CONFIG, *overrides, env=env)
     assert out.returncode == 2, out.stdout
     assert message in out.stderr, out.stderr
     assert not (tmp_path / "run").exists()

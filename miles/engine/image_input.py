@@ -16,11 +16,12 @@ import os
 from collections import OrderedDict
 from typing import Any
 
-import torch
-
 from miles.engine.request import Request
+from miles.lazy import lazy_module
 from miles.models.images import ImageProblem, load_image
 from miles.models.vision import ProcessedImage, VisionSpec, cache_key, expand_images, mrope_positions, process_image
+
+torch = lazy_module("torch")
 
 __all__ = ["MAX_IMAGES", "ImageCache", "attach_images", "image_list", "prefill_vision_inputs"]
 

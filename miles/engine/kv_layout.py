@@ -3,8 +3,10 @@ admitted prompts (:mod:`miles.engine.prefix_cache`) placed before their uncached
 
 from __future__ import annotations
 
-import torch
 from transformers import DynamicCache
+from miles.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 __all__ = ["past_block", "pack", "left_pad"]
 

@@ -14,16 +14,18 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from miles.engine.batcher import ContinuousBatcher
 from miles.engine.image_input import ImageCache, attach_images
 from miles.engine.request import Request
 from miles.engine.sampling import SamplingParams, shown
-from miles.models.hf import load_image_processor, load_model, load_tokenizer
+from miles.lazy import lazy_module
 from miles.models.vision import vision_spec
 from miles.weights.delta import DeltaRefused, raw_bytes
 from miles.weights.lora import adapter_layers, adapter_problems, is_adapter_payload, merged_weight
+
+torch = lazy_module("torch")
+# imported when first used: `miles config` reads LocalEngine's arguments without torch or transformers
+batcher = lazy_module("miles.engine.batcher")
+hf = lazy_module("miles.models.hf")
 
 __all__ = ["LocalEngine", "MEMORY_TAGS"]
 
@@ -69,7 +71,7 @@ class LocalEngine:
         self._released_shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []
         # base weights of the layers an adapter payload has been merged into (copied before the first merge)
         self._lora_base: dict[str, torch.Tensor] = {}
-        self.batcher: ContinuousBatcher | None = None
+        self.batcher: batcher.ContinuousBatcher | None = None
         self._turn: list[Request] = []
         self.cancelled = 0  # requests whose caller went away before their answer (each aborted in the batcher)
         self._outbox_lock = threading.Lock()
@@ -86,14 +88,14 @@ class LocalEngine:
         dtype = self.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
-        self.model = load_model(path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.model = hf.load_model(path, dtype=getattr(torch, dtype)).to(device).eval()
         self._lora_base = {}
         self.model.requires_grad_(False)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = hf.load_tokenizer(path)
         text = self.model.config.get_text_config()
         self.context_length, self.vocab_size = int(text.max_position_embeddings), int(text.vocab_size)
         self.vision = vision_spec(self.model.config)  # None: a text-only model
-        self.image_processor = load_image_processor(path) if self.vision is not None else None
+        self.image_processor = hf.load_image_processor(path) if self.vision is not None else None
         if self.vision is not None and self.image_processor is None:
             raise ValueError(f"{path}: a vision-language model needs its image processor "
                              f"(preprocessor_config.json) in the model directory")
@@ -101,7 +103,7 @@ class LocalEngine:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if self.batcher is not None:
             self.batcher.close()
-        self.batcher = ContinuousBatcher(
+        self.batcher = batcher.ContinuousBatcher(
             self.model, self.tokenizer, context_length=self.context_length, pad_token_id=pad,
             eos_token_id=self.tokenizer.eos_token_id, generator=torch.Generator(device).manual_seed(self.seed),
             max_batch_size=self.max_batch_size, version=lambda: self.weight_version, background=self.background,

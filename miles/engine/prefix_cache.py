@@ -18,7 +18,9 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-import torch
+from miles.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 __all__ = ["PrefixCache"]
 

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from miles.engine.sampling import SamplingParams
+from miles.lazy import lazy_module
 from miles.models.moe import encode_routed_experts
+
+torch = lazy_module("torch")
 
 __all__ = ["Request", "answer", "plain_answer", "clear_outputs"]
 

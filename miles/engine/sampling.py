@@ -8,7 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
+from miles.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 __all__ = ["SamplingParams", "sample_next", "shown", "top_logprobs", "MAX_SAMPLES", "MAX_TOP_K"]
 

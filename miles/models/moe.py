@@ -26,9 +26,11 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+from miles.lazy import lazy_module
+
+np = lazy_module("numpy")
+torch = lazy_module("torch")
+F = lazy_module("torch.nn.functional")
 
 __all__ = ["MoELayout", "moe_layout", "routing", "RoutingRecord", "encode_routed_experts",
            "decode_routed_experts", "compact", "expand", "NO_EXPERT"]

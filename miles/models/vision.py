@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from miles.lazy import lazy_module
 from miles.models.images import load_image
+
+torch = lazy_module("torch")
 
 __all__ = ["ImageEncoder", "ProcessedImage", "VisionSpec", "cache_key", "expand_images", "image_spans",
            "mrope_positions", "process_image", "row_inputs", "vision_spec", "vision_tower"]

@@ -2,14 +2,14 @@
 
 :func:`preflight` reads and checks the run directory, the data, the model, the checkpoint to resume
 from and the resources; what it has to build (generated data, a model built from the config) goes to
-a staging folder outside the run directory. ``miles config`` runs it too, so the two commands agree.
+a staging folder outside the run directory. ``miles config --check`` runs it too, so the two commands agree;
+plain ``miles config`` makes only :func:`check_settings`, which needs no model and no data.
 Only :meth:`Staged.commit`, called once every check has passed, writes into ``run.dir``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -27,13 +27,13 @@ from miles.config.schema import EvalDatasetConfig, EvalSamplingConfig
 from miles.config.validate import component_node, split_node
 from miles.loop.distill import check_teacher
 from miles.errors import ConfigError, DataError
-from miles.hookspecs import LoraEngine, uses_ray
+from miles.hookspecs import LoraEngine
 from miles.loop.evaluation import EvalSet, read_eval_sets
 from miles.models.hf import build_model_dir, context_length, load_tokenizer, read_chat_template
 from miles.rewards.labels import LabelNeed, label_need
 from miles.models.vision import ImageEncoder
 from miles.rollout.data_source import Prompt, check_labels, check_unknown_tokens, encode_rows, read_rows, where_in_file
-from miles.train.assemble import build_backend
+from miles.run.settings import check_settings
 from miles.train.prefix_tree import config_sharing_problem, parse_share_prefixes
 
 __all__ = ["Staged", "chat_format", "eval_inputs", "preflight", "run_tokenizer"]
@@ -84,29 +84,6 @@ class Staged:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
-def _check_run_dir(run_cfg: Any) -> Path:
-    run_dir = Path(run_cfg.dir)
-    if run_cfg.resume and run_cfg.overwrite:
-        raise ConfigError("run.resume and run.overwrite are both true: resume continues the run in run.dir, "
-                          "overwrite deletes it; choose one")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"run.dir {str(run_dir)!r} is a file; expected a directory for the run's outputs")
-    holds_a_run = run_dir.is_dir() and any(entry.name != LOCK_NAME for entry in run_dir.iterdir())
-    if holds_a_run and not (run_cfg.resume or run_cfg.overwrite):
-        raise ConfigError(
-            f"run.dir {str(run_dir)!r} already holds a run. Continue it with run.resume=true, or start a new "
-            f"one in another directory (run.dir=...), or replace it with run.overwrite=true")
-    return run_dir
-
-
-def _trial_backends(p: Any) -> Any:
-    """Build the backend nodes (cheap: no model is loaded) so that their option checks run now."""
-    backend = build_backend(p)
-    if p.config.sft.steps > 0:
-        build_backend(p, where="backend (with sft.lr)", lr=float(p.config.sft.lr))
-    return backend
-
-
 def _stage_data(p: Any, staging: Path) -> tuple[str, str | None]:
     cfg = p.config.data
     train_path, eval_path = cfg.train_path, cfg.eval_path
@@ -155,41 +132,8 @@ def _fit_context(prompts: list[Prompt], path: str, room: int, context: int, poli
     return fits, over
 
 
-def batch_arithmetic(config: Any) -> str:
-    """The step's batch arithmetic in words, for the start-up line; a combination that cannot be planned is a
-    :class:`ConfigError` naming the keys. Checked on the nominal sizes (selectors may keep fewer groups)."""
-    prompts, n = int(config.rollout.prompts_per_step), int(config.rollout.n_samples)
-    backend = component_node(config.backend)
-    minis, epochs = int(backend.get("mini_batches", 1)), int(backend.get("epochs", 1))
-    parallel = [int(backend.get(k, 1)) for k in ("tensor_parallel", "pipeline_parallel", "context_parallel")]
-    workers = max(1, int(backend.get("world_size", 1)) // math.prod(parallel))  # data-parallel ranks
-    if minis > 1 and prompts % minis:
-        divisors = ", ".join(str(d) for d in range(1, prompts + 1) if prompts % d == 0)
-        raise ConfigError(f"backend.mini_batches={minis} does not divide rollout.prompts_per_step={prompts}: each "
-                          f"mini-batch must hold whole groups (a prompt's {n} samples are scored against each other); "
-                          f"use one of {divisors}")
-    per_mini = prompts // minis * n
-    if per_mini < workers:
-        raise ConfigError(f"backend.world_size: {workers} data-parallel workers for mini-batches of {per_mini} samples "
-                          f"(rollout.prompts_per_step={prompts} x rollout.n_samples={n} / "
-                          f"backend.mini_batches={minis}); "
-                          f"every worker needs at least one sample: fewer workers or mini-batches, or more prompts")
-    steps = minis * epochs
-    text = (f"batch: {prompts} prompts x {n} samples = {prompts * n} samples per step; {minis} mini-batch"
-            f"{'es' if minis > 1 else ''} of {per_mini} x {epochs} epoch{'s' if epochs > 1 else ''} = "
-            f"{steps} optimizer step{'s' if steps > 1 else ''} per rollout")
-    if steps > 1:
-        text += (f"; the last trains on samples from a policy {steps - 1} optimizer "
-                 f"step{'s' if steps > 2 else ''} older (train/policy_lag_max)")
-    return text
-
-
 def _check_routing(config: Any, model_path: str) -> None:
-    """Routing replay needs the engine's expert ids, and those need a mixture-of-experts model."""
-    replay = bool(component_node(config.backend).get("routing_replay", False))
-    if replay and not config.rollout.return_routed_experts:
-        raise ConfigError("backend.routing_replay: replaying the engine's expert choices needs them in the samples; "
-                          "set rollout.return_routed_experts: true")
+    """The engine's expert ids (for routing replay) need a mixture-of-experts model."""
     if config.rollout.return_routed_experts:
         model = json.loads((Path(model_path) / "config.json").read_text())
         if not any(model.get(key) for key in ("num_experts", "n_routed_experts", "num_local_experts")):
@@ -247,33 +191,6 @@ def _check_lora(p: Any, model_path: str) -> None:
         raise ConfigError("backend.lora.sync: adapters merges into base weights the engine keeps, and "
                           "rollout.engine.release_memory_during_train gives them back during training: use "
                           "backend.lora.sync=merged, or keep the engine's memory")
-
-
-def _ray_reservation(config: Any, backend: Any) -> tuple[int, float]:
-    """(engine actors, logical CPUs for training) that the run reserves on Ray; (0, 0) when it uses no Ray."""
-    _, extra = split_node(config.rollout.engine, "rollout.engine")
-    engines = 0 if config.cluster.local_mode else extra.get("num_engines", 0)  # local_mode: the engine in process
-    if uses_ray(backend):
-        return engines, float(backend.ray_cpus)
-    return engines, config.cluster.train_cpus if engines > 0 else 0.0
-
-
-def _check_cpus(config: Any, backend: Any) -> int | None:
-    """The CPU count for a local Ray instance; refuse an explicit one that cannot place the run."""
-    cluster = config.cluster
-    engines, train = _ray_reservation(config, backend)
-    need = engines * cluster.cpus_per_engine + train
-    if need == 0 or cluster.address:  # no Ray, or a cluster whose size is known only once joined
-        return None
-    if cluster.num_cpus is None:  # logical CPUs: processes share the cores when there are fewer
-        return max(os.cpu_count() or 1, math.ceil(need))
-    if cluster.num_cpus < need:
-        raise ConfigError(
-            f"cluster.num_cpus={cluster.num_cpus} cannot place this run: {engines} engine(s) x "
-            f"cluster.cpus_per_engine={cluster.cpus_per_engine} + {train:g} for training (cluster.train_cpus, or the "
-            f"backend's workers) = {need:g} CPUs. Raise cluster.num_cpus to {math.ceil(need)} (or leave it unset), "
-            f"or lower rollout.engine.num_engines, cluster.cpus_per_engine or cluster.train_cpus")
-    return int(cluster.num_cpus)
 
 
 def _resume_checkpoint(run_dir: Path, p: Any, base_model: str, stack: list[dict[str, Any]]) -> Checkpoint | None:
@@ -411,11 +328,7 @@ def eval_inputs(p: Any, model_path: str) -> tuple[Any, list[EvalSet]]:
 def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
     """Check everything that can be checked without training; build what must be built, outside run.dir."""
     config, run_cfg = p.config, p.config.run
-    run_dir = _check_run_dir(run_cfg)
-    backend = _trial_backends(p)
-    if run_cfg.steps > 0:
-        batch_arithmetic(config)
-    ray_num_cpus = _check_cpus(config, backend)
+    run_dir, ray_num_cpus = check_settings(p)
     staging = scratch_folder("staging")
     try:
         train_path, eval_path = _stage_data(p, staging)

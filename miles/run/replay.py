@@ -81,9 +81,9 @@ def _ray_cluster(p: Any, out: Path, closing: ExitStack) -> Any:
     def start() -> Any:
         if not cluster:
             from miles.cluster import RayCluster
-            from miles.run.preflight import _check_cpus
+            from miles.run.settings import check_cpus
 
-            cluster.append(RayCluster(p.config.cluster, out, num_cpus=_check_cpus(p.config, build_backend(p))))
+            cluster.append(RayCluster(p.config.cluster, out, num_cpus=check_cpus(p.config, build_backend(p))))
             closing.callback(cluster[0].shutdown)
         return cluster[0]
 

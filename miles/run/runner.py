@@ -27,7 +27,8 @@ from miles.registry import plugin_stack
 from miles.rollout.assemble import close_with_run, rollout_context, rollout_plane
 from miles.rollout.data_source import PromptSource
 from miles.run.lock import RunDirLock
-from miles.run.preflight import Staged, batch_arithmetic, chat_format, eval_inputs, preflight
+from miles.run.preflight import Staged, chat_format, eval_inputs, preflight
+from miles.run.settings import batch_arithmetic
 from miles.run.progress import progress
 from miles.run.rl import RLPhase
 from miles.run.state import RunState, start_loggers

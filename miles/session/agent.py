@@ -22,8 +22,12 @@ from typing import Any
 from miles import import_object
 from miles.agentic.tool_calls import HermesParser
 from miles.rollout.context import RolloutContext
-from miles.session.server import Session, SessionServer
+from miles.lazy import lazy_module
+from miles.session.state import Session
 from miles.types import Sample, SampleStatus
+
+# the server (aiohttp) is imported when a rollout starts one: `miles config` reads Agent's arguments without it
+server_module = lazy_module("miles.session.server")
 
 __all__ = ["Agent"]
 
@@ -32,7 +36,7 @@ __all__ = ["Agent"]
 class _Shared:
     """A session server on one event loop, shared by the samples in flight there."""
 
-    server: SessionServer
+    server: server_module.SessionServer
     started: asyncio.Future  # the base URL
     users: int = 0
 
@@ -62,8 +66,9 @@ class Agent:
         key = (asyncio.get_running_loop(), id(ctx))
         shared = self._servers.get(key)
         if shared is None:
-            server = SessionServer(ctx.engine, ctx.tokenizer, ctx.tool_parser or HermesParser(), ctx.sampling_params,
-                                   ctx.context_length, chat_format=ctx.chat_format, images=ctx.images)
+            server = server_module.SessionServer(ctx.engine, ctx.tokenizer, ctx.tool_parser or HermesParser(),
+                                                 ctx.sampling_params, ctx.context_length, chat_format=ctx.chat_format,
+                                                 images=ctx.images)
             shared = self._servers[key] = _Shared(server, asyncio.ensure_future(server.start()))
         shared.users += 1
         session = None

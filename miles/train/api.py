@@ -35,18 +35,23 @@ written against this module.
 
 from miles.train.losses import value_loss
 from miles.errors import ConfigError, RunError
-from miles.models.hf import load_critic, load_model, save_pretrained, save_state_dict
 from miles.train.backend import LossFn, TrainBackend
 from miles.train.batching import balanced_partition, micro_batch_indices, normalizers, plan_batch, plan_step
 from miles.train.lora import LoraOptions, adapter_state, apply_lora, load_adapter_state, merged_weights
 from miles.train.lora import check_targets as check_lora_targets
 from miles.train.lora import export_weights as export_lora_weights
 from miles.train.kernels import LogprobKernel, TorchKernel, check_kernel_name, select_kernel
-from miles.train.logprobs import token_logprobs
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
 from miles.train.ray_workers import RayWorkers, RayWorkersBackend
 from miles.train.torch_backend import Policy, assemble_rows, combine_metrics, rng_state, set_rng_state, sum_over_ranks
 from miles.types import LossInputs, TrainBatch
+from miles.lazy import lazy_exports
+
+# imported when first read (they import torch and transformers): a backend module that imports this one, read to
+# check a config's arguments, stays light as long as it reads these inside its methods
+_LAZY = {"load_model": "miles.models.hf", "load_critic": "miles.models.hf", "save_pretrained": "miles.models.hf",
+         "save_state_dict": "miles.models.hf", "token_logprobs": "miles.train.logprobs"}
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "TrainBackend", "LossFn", "TrainBatch", "LossInputs",
@@ -54,10 +59,10 @@ __all__ = [
     "Policy", "rng_state", "set_rng_state", "RayWorkers", "RayWorkersBackend",
     "plan_batch", "plan_step", "normalizers", "balanced_partition", "micro_batch_indices",
     "sum_over_ranks", "combine_metrics", "assemble_rows",
-    "token_logprobs", "value_loss",
+    "value_loss",
     "LogprobKernel", "TorchKernel", "select_kernel", "check_kernel_name",
-    "load_model", "load_critic", "save_pretrained", "save_state_dict",
     "LoraOptions", "apply_lora", "check_lora_targets", "export_lora_weights", "merged_weights", "adapter_state",
     "load_adapter_state",
     "ConfigError", "RunError",
+    *_LAZY,
 ]

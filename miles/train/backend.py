@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
+from miles.lazy import lazy_module
 from miles.types import LossInputs, TrainBatch
+
+torch = lazy_module("torch")
 
 __all__ = ["TrainBackend", "LossFn", "BackendProxy"]
 
-LossFn = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[LossInputs], tuple["torch.Tensor", dict[str, float]]]
 
 
 @runtime_checkable
@@ -26,8 +27,8 @@ class TrainBackend(Protocol):
     logical CPUs its workers reserve) is checked against ``cluster.num_cpus`` before the run starts; before
     ``setup`` the runner sets its ``ray_resources`` (``cluster.train_resources``: custom Ray resources each
     worker's bundle must also reserve, which place the workers on the nodes that offer them).
-    The constructor only checks its arguments (``miles config`` builds it to run those checks); work
-    starts in ``setup``.
+    The constructor only checks its arguments (``miles config`` builds it to run those checks, so it must not
+    load anything: import torch lazily, ``miles.lazy.lazy_module``); work starts in ``setup``.
     """
 
     def setup(self, model_path: str, *, seed: int, ref_model_path: str | None = None,

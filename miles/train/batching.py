@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import heapq
 
-import torch
+from miles.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 __all__ = ["micro_batch_indices", "balanced_partition", "plan_step", "plan_batch", "normalizers"]
 

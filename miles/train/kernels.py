@@ -15,12 +15,13 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 from miles.errors import ConfigError
+from miles.lazy import lazy_module
 
 if TYPE_CHECKING:
     from miles.registry import Registry
+
+torch = lazy_module("torch")
 
 __all__ = ["LogprobKernel", "TorchKernel", "kernel_registry", "check_kernel_name", "select_kernel"]
 

@@ -15,10 +15,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from miles.errors import ConfigError
+from miles.lazy import lazy_module
 from miles.weights.lora import is_adapter_payload, merge_adapters
+
+torch = lazy_module("torch")
 
 __all__ = ["LoraOptions", "parse_lora", "require_peft", "apply_lora", "check_targets", "is_lora_model",
            "trainable_parameters", "base_weights", "adapter_weights", "merged_weights", "export_weights",

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from miles.lazy import lazy_module
 from miles.types import LossInputs
+
+torch = lazy_module("torch")
 
 __all__ = ["AGGREGATIONS", "aggregate", "ppo_clip", "sft", "value_loss"]
 

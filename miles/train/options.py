@@ -13,10 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-import torch
-
+from miles.lazy import lazy_module
 from miles.train.lora import parse_lora, require_peft
 from miles.train.prefix_tree import parse_share_prefixes
+
+torch = lazy_module("torch")
 
 __all__ = ["TrainOptions", "takes_train_options", "resolve_device", "autocast_dtype"]
 

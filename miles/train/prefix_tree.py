@@ -22,11 +22,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
+from miles.lazy import lazy_module
 from miles.train.kernels import LogprobKernel, TorchKernel
-from miles.train.logprobs import ChunkedLogprobs, matmul_dtype, output_layer, patched_head
+
+np = lazy_module("numpy")
+torch = lazy_module("torch")
+# its autograd Function subclasses torch's at import: read when a tree forward runs, not when the options are parsed
+chunked = lazy_module("miles.train.logprobs")
 
 __all__ = ["SHARE_PREFIXES", "AUTO_MAX_WORK_FRACTION", "PackCosts", "TreePack", "PrefixSharing", "pack_rows",
            "parse_share_prefixes", "sharing_problem"]
@@ -148,15 +150,16 @@ def _chunked_sites(model: torch.nn.Module, inputs: dict[str, torch.Tensor], site
                    site_targets: torch.Tensor, chunk_tokens: int, kernel: LogprobKernel, entropy_grad: bool):
     """Log-probs and entropy ``[sites]`` by the chunked path: the output layer runs on the sites' hidden states only,
     inside the model's forward (as :func:`miles.train.logprobs.token_logprobs` does, for FSDP2's gathered head)."""
-    head = output_layer(model)
+    head = chunked.output_layer(model)
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:
         states = hidden.reshape(-1, hidden.shape[-1])[site_nodes]
-        logprobs, entropy = ChunkedLogprobs.apply(states, head.weight, head.bias, site_targets, chunk_tokens, kernel,
-                                                  entropy_grad, matmul_dtype(states, head.weight))
+        dtype = chunked.matmul_dtype(states, head.weight)
+        logprobs, entropy = chunked.ChunkedLogprobs.apply(states, head.weight, head.bias, site_targets, chunk_tokens,
+                                                          kernel, entropy_grad, dtype)
         return torch.stack([logprobs, entropy], dim=-1)
 
-    with patched_head(head, head_forward):
+    with chunked.patched_head(head, head_forward):
         packed = model(**inputs).logits
     entropy = packed[:, 1]
     return packed[:, 0], entropy if entropy_grad and torch.is_grad_enabled() else entropy.detach()

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
+from miles.lazy import lazy_module
 from miles.types import LossInputs
+
+torch = lazy_module("torch")
 
 __all__ = ["KL_ESTIMATORS", "kl_estimate", "regularized"]
 

@@ -9,22 +9,24 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from miles.lazy import lazy_module
 from miles.train.losses import value_loss
 from miles.errors import ConfigError
-from miles.models.hf import exact_logprobs, load_critic, load_model, save_pretrained, save_state_dict
 from miles.train.backend import LossFn
 from miles.train.batching import normalizers, plan_batch
 from miles.train import lora
 from miles.train.kernels import check_kernel_name, select_kernel
 from miles.models.vision import row_inputs, vision_spec, vision_tower
-from miles.train.logprobs import token_logprobs
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
-from miles.train.prefix_tree import PrefixSharing
 from miles.models.moe import moe_layout, routing
 from miles.train.regularizers import kl_estimate
 from miles.types import LossInputs, TrainBatch
+
+torch = lazy_module("torch")
+# imported when first used: `miles config` reads TorchBackend's arguments without torch or transformers
+hf = lazy_module("miles.models.hf")
+prefix_tree = lazy_module("miles.train.prefix_tree")
+logprob_paths = lazy_module("miles.train.logprobs")
 
 __all__ = ["TorchBackend", "Policy", "rng_state", "set_rng_state"]
 
@@ -75,9 +77,12 @@ class Policy:
         # The chunked log-prob path's kernel, chosen in this process (a worker's plugins, its device).
         self.logprob_kernel = select_kernel(options.logprob_kernel, device) if options.logprob_chunk_tokens else None
         # backend.share_prefixes: a model that cannot take a tree mask is refused here under `true`
-        self.sharing = PrefixSharing(options.share_prefixes, [m for m in (model, ref_model, critic) if m is not None],
-                                     exact_logprobs=options.exact_logprobs, routing_replay=options.routing_replay,
-                                     pad_token_id=getattr(getattr(model, "config", None), "pad_token_id", None) or 0)
+        models = [m for m in (model, ref_model, critic) if m is not None]
+        pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
+        self.sharing = prefix_tree.PrefixSharing(options.share_prefixes, models,
+                                                 exact_logprobs=options.exact_logprobs,
+                                                 routing_replay=options.routing_replay,
+                                                 pad_token_id=pad_token_id)
         # only what trains (with LoRA: the adapters) has optimizer state
         self.optimizer = optimizer or torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=options.lr, betas=(options.beta1, options.beta2),
@@ -102,7 +107,7 @@ class Policy:
         elif micro.images is not None:
             raise ValueError("the samples hold images, but the model is text-only (its config has no vision tower)")
         with self._autocast():
-            logprobs = token_logprobs if tree is None else tree.logprobs
+            logprobs = logprob_paths.token_logprobs if tree is None else tree.logprobs
             return logprobs(model, input_ids, chunk_tokens=self.options.logprob_chunk_tokens,
                             kernel=self.logprob_kernel, **kwargs)
 
@@ -114,7 +119,7 @@ class Policy:
         width = micro.input_ids.shape[1] - 1
         rows = []
         for ids, n in zip(micro.input_ids, micro.attention_mask.sum(dim=1).tolist()):
-            out = exact_logprobs(model, ids[:n], length=length, pad_token_id=pad, with_entropy=with_entropy)
+            out = hf.exact_logprobs(model, ids[:n], length=length, pad_token_id=pad, with_entropy=with_entropy)
             parts = out if with_entropy else (out,)
             rows.append([torch.nn.functional.pad(t, (0, width - t.shape[0])) for t in parts])
         if not rows:
@@ -185,13 +190,13 @@ class Policy:
                 return tree.values(self.critic, self.device)
             return self.critic(input_ids=micro.input_ids.to(self.device)).logits[:, :-1, 0].float()
 
-    @torch.no_grad()
     def _per_micro(self, batch: TrainBatch, micros: list[list[int]], fn: Any) -> list[torch.Tensor]:
         """``fn(micro)`` of each micro-batch on CPU, without gradient (placeholders give empty tensors)."""
         out = []
-        for rows in micros:
-            values = fn(self._micro(batch, rows)).float().cpu()
-            out.append(values if rows else values[:0])
+        with torch.no_grad():
+            for rows in micros:
+                values = fn(self._micro(batch, rows)).float().cpu()
+                out.append(values if rows else values[:0])
         return out
 
     def values(self, batch: TrainBatch, micros: list[list[int]]) -> list[torch.Tensor]:
@@ -384,13 +389,13 @@ class TorchBackend:
               total_steps: int | None = None, critic_model_path: str | None = None) -> None:
         torch.manual_seed(seed)
         device = resolve_device(self.options)
-        model = load_model(model_path)
+        model = hf.load_model(model_path)
         if self.options.lora is not None:  # adapters initialised from the seeded RNG, before the move
             lora.apply_lora(model, self.options.lora)
         model = model.to(device).train()
         self._model_path = model_path
-        ref = None if ref_model_path is None else load_model(ref_model_path).to(device).eval().requires_grad_(False)
-        critic = None if critic_model_path is None else load_critic(critic_model_path).to(device).train()
+        ref = None if ref_model_path is None else hf.load_model(ref_model_path).to(device).eval().requires_grad_(False)
+        critic = None if critic_model_path is None else hf.load_critic(critic_model_path).to(device).train()
         self.policy = Policy(model, self.options, device, ref, total_steps, self.build_optimizer(model), critic)
 
     def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer | None:
@@ -424,9 +429,9 @@ class TorchBackend:
 
     def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
         if self.options.lora is not None:  # plain HF weights with the adapters merged in
-            save_state_dict(lora.merged_weights(self.model), self._model_path, path, tokenizer, metadata)
+            hf.save_state_dict(lora.merged_weights(self.model), self._model_path, path, tokenizer, metadata)
             return
-        save_pretrained(self.model, tokenizer, path, metadata, like=self._model_path)
+        hf.save_pretrained(self.model, tokenizer, path, metadata, like=self._model_path)
 
     def save_checkpoint(self, path: str) -> None:
         path_ = Path(path)
@@ -436,7 +441,7 @@ class TorchBackend:
             (path_ / "model").mkdir(parents=True, exist_ok=True)
             save_file(lora.adapter_state(self.model.state_dict()), path_ / "model" / "adapters.safetensors")
         else:
-            save_pretrained(self.model, None, path_ / "model", like=self._model_path)
+            hf.save_pretrained(self.model, None, path_ / "model", like=self._model_path)
         critic = {} if self.policy.critic is None else {"critic": self.policy.critic.state_dict()}
         torch.save({**self.policy.state_dict(), **critic, "rng": rng_state()}, path_ / "trainer.pt")
 
@@ -460,7 +465,7 @@ class TorchBackend:
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
         if unexpected or set(missing) - tied:  # transformers renames some models' weights on save (Qwen2.5-VL)
-            missing, unexpected = self.model.load_state_dict(load_model(path_ / "model").state_dict(), strict=False)
+            missing, unexpected = self.model.load_state_dict(hf.load_model(path_ / "model").state_dict(), strict=False)
         if unexpected or set(missing) - tied:
             raise ValueError(f"checkpoint {path}: weights do not fit the model (missing {sorted(set(missing) - tied)}, "
                              f"unexpected {sorted(unexpected)})")

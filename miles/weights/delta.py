@@ -27,7 +27,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from miles.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 __all__ = ["MAX_BLOCK_BYTES", "DeltaRefused", "Delta", "block_checksums", "set_checksum", "weights_checksum",
            "parse_delta", "delta_blocks", "check_delta", "changed_blocks", "runs", "raw_bytes", "delta_section",

@@ -11,9 +11,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from miles.errors import ConfigError, EngineRequestError
+from miles.lazy import lazy_module
 from miles.weights.delta import (
     MAX_BLOCK_BYTES, block_checksums, changed_blocks, encode_blocks, raw_bytes, runs, set_checksum,
 )
@@ -24,6 +23,8 @@ from miles.weights.transports import (
     AutoTransport, SharedMemoryTransport, TensorTransport, _copy_to_local, _refuse_sglang, post_each,
 )
 from miles.weights.wire import tensor_bytes
+
+torch = lazy_module("torch")
 
 __all__ = ["DeltaSharedMemoryTransport", "DeltaTensorTransport", "DeltaAutoTransport", "DeltaWeightFile",
            "shm_transport", "tensor_transport", "auto_transport"]

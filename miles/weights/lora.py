@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
+from miles.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 __all__ = ["ADAPTER_SUFFIXES", "is_adapter_payload", "adapter_layers", "adapter_problems", "merge_adapters"]
 

@@ -31,9 +31,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from miles.lazy import lazy_module
+from miles.weights.wire import DTYPES, Dtypes
 
-from miles.weights.wire import DTYPES
+torch = lazy_module("torch")
 
 __all__ = ["SHM_DIR", "PREFIX", "SHM_PATH", "WeightFile", "MappedWeightFile", "Descriptor", "parse_descriptor",
            "check_path", "host_id"]
@@ -47,9 +48,7 @@ HEADER_BYTES = 64
 ALIGN = 64
 WRITING = -1  # the header's weight_version while the tensors are being written
 # floating point (what weight updates carry), and the integer and bool buffers a state dict may hold
-SHM_DTYPES = {**DTYPES, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-              "uint8": torch.uint8, "bool": torch.bool}
-DTYPE_NAMES = {dtype: name for name, dtype in SHM_DTYPES.items()}
+SHM_DTYPES = Dtypes((*DTYPES, "int64", "int32", "int16", "int8", "uint8", "bool"))
 
 
 def host_id() -> str | None:
@@ -104,9 +103,9 @@ class WeightFile:
         An OSError means /dev/shm cannot hold them (missing, or too small: a container's default is 64 MiB)."""
         dtypes = []
         for name, tensor in weights.items():
-            if tensor.dtype not in DTYPE_NAMES:
+            if (dtype_name := SHM_DTYPES.name(tensor.dtype)) is None:
                 raise ValueError(f"shm: {name} has dtype {tensor.dtype}; expected one of {', '.join(SHM_DTYPES)}")
-            dtypes.append(DTYPE_NAMES[tensor.dtype])
+            dtypes.append(dtype_name)
         offsets, end = [], HEADER_BYTES
         for tensor in weights.values():
             offsets.append(end)

@@ -25,13 +25,14 @@ from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
-import torch
-
 from miles.errors import ConfigError, EngineRequestError
+from miles.lazy import lazy_module
 from miles.weights.fleet import Endpoint, Engines
 from miles.weights.shm import SHM_DIR, SHM_PATH, WeightFile, host_id
 from miles.weights.wire import broadcast_tensors, open_weight_group, tensor_bytes
+
+aiohttp = lazy_module("aiohttp")
+torch = lazy_module("torch")
 
 __all__ = ["InProcessTransport", "TensorTransport", "DiskTransport", "DistributedTransport", "SharedMemoryTransport",
            "SharedMemoryUnavailable", "AutoTransport"]

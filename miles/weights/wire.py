@@ -10,21 +10,51 @@ from __future__ import annotations
 
 import base64
 import datetime
+from collections.abc import Iterable, Iterator, Mapping
 
-import torch
-import torch.distributed as dist
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
+from miles.lazy import lazy_module
 
-__all__ = ["tensor_bytes", "encode_named_tensors", "decode_named_tensors", "open_weight_group", "broadcast_tensors"]
+torch = lazy_module("torch")
+dist = lazy_module("torch.distributed")
+safetensors_torch = lazy_module("safetensors.torch")
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+__all__ = ["DTYPES", "Dtypes", "tensor_bytes", "encode_named_tensors", "decode_named_tensors", "open_weight_group",
+           "broadcast_tensors"]
+
+
+class Dtypes(Mapping[str, "torch.dtype"]):
+    """torch dtypes by name (``"bfloat16"`` -> ``torch.bfloat16``); torch is imported at the first lookup."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = tuple(names)
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        if name not in self.names:
+            raise KeyError(name)
+        return getattr(torch, name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def name(self, dtype: torch.dtype) -> str | None:
+        """The name of ``dtype`` when it is one of these, else None."""
+        name = str(dtype).removeprefix("torch.")
+        return name if name in self.names else None
+
+
+DTYPES = Dtypes(("float32", "float16", "bfloat16", "float64"))
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     """Safetensors bytes of named tensors."""
     # clone: tied parameters (embeddings and LM head) share storage, which safetensors refuses
-    return save_safetensors({k: v.detach().cpu().clone() for k, v in tensors.items()})
+    return safetensors_torch.save({k: v.detach().cpu().clone() for k, v in tensors.items()})
 
 
 def encode_named_tensors(tensors: dict[str, torch.Tensor]) -> str:
@@ -34,7 +64,7 @@ def encode_named_tensors(tensors: dict[str, torch.Tensor]) -> str:
 
 def decode_named_tensors(payload: str) -> dict[str, torch.Tensor]:
     try:
-        return load_safetensors(base64.b64decode(payload, validate=True))
+        return safetensors_torch.load(base64.b64decode(payload, validate=True))
     except Exception as exc:
         raise ValueError(f"serialized_named_tensors: not base64 safetensors bytes "
                          f"({type(exc).__name__}: {exc})") from exc

@@ -4,9 +4,7 @@ among them (balanced by tokens) and combines what they return."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from miles.train.api import (
     ConfigError,
@@ -21,10 +19,12 @@ from miles.train.api import (
     combine_metrics,
     normalizers,
     plan_batch,
-    save_state_dict,
     sum_over_ranks,
     takes_train_options,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FSDP2Backend"]
 
@@ -110,6 +110,8 @@ class FSDP2Backend(RayWorkersBackend):
         return self._all("full_weights")[0]  # with LoRA: merged, or the adapters only (backend.lora.sync)
 
     def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
+        from miles.train.api import save_state_dict  # torch, transformers: when a run saves, not when it starts
+
         save_state_dict(self._all("full_weights", True)[0], self._model_path, path, tokenizer, metadata)
 
     def save_checkpoint(self, path: str) -> None:

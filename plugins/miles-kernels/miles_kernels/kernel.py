@@ -12,7 +12,9 @@ import importlib.util
 import os
 import sys
 
-import torch
+from miles import lazy_module
+
+torch = lazy_module("torch")  # imported when a kernel is first asked about a device: `miles config` stays light
 
 __all__ = ["TritonKernel", "gpu_backend"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Rule", "Arch", "ARCHS", "ModelSpec", "arch_for", "model_spec"]
+__all__ = ["Rule", "Arch", "ARCHS", "ModelSpec", "Parallel", "arch_for", "model_spec"]
 
 JOINS = ("copy", "qkv", "gate_up", "stacked")
 
@@ -118,6 +118,16 @@ ARCHS: dict[str, Arch] = {
                    "moe_aux_loss_coeff": 0.0, "moe_grouped_gemm": False, "expert_tensor_parallel_size": 1},
     ),
 }
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Model-parallel sizes (data parallelism is what is left of the world size)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
 
 
 def arch_for(model_type: str) -> Arch:

@@ -5,9 +5,7 @@ shards back into HF weights."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from miles.train.api import (
     ConfigError,
@@ -21,11 +19,13 @@ from miles.train.api import (
     combine_metrics,
     normalizers,
     plan_batch,
-    save_state_dict,
     sum_over_ranks,
     takes_train_options,
 )
-from miles_megatron.model import Parallel
+from miles_megatron.arch import Parallel
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MegatronBackend"]
 
@@ -207,6 +207,8 @@ class MegatronBackend(RayWorkersBackend):
         return megatron_to_hf(full, self._spec)
 
     def save_pretrained(self, path: str, tokenizer: Any = None, metadata: dict | None = None) -> None:
+        from miles.train.api import save_state_dict  # torch, transformers: when a run saves, not when it starts
+
         save_state_dict(self.export_weights(), self._model_path, path, tokenizer, metadata)
 
     def save_checkpoint(self, path: str) -> None:

@@ -8,26 +8,15 @@ which runs on CPU and on GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from miles_megatron.arch import ModelSpec
+from miles_megatron.arch import ModelSpec, Parallel
 from miles_megatron.convert import padded_vocab
 
 __all__ = ["Parallel", "build_gpt", "load_shard", "local_state", "CausalLM"]
-
-
-@dataclass(frozen=True)
-class Parallel:
-    """Model-parallel sizes (data parallelism is what is left of the world size)."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
 
 
 def transformer_config(spec: ModelSpec, parallel: Parallel, on_cpu: bool):

@@ -33,6 +33,13 @@ def run(run_dir: Path, *extra: str, plugins=()) -> dict:
     return train(prepare(CONFIG, [*ARGS, f"run.dir={run_dir}", *extra], extra_plugins=plugins))
 
 
+# What the engines' log-probs enter: a prompt whose prefix the cache held is computed from that K/V, in another shape
+# than from scratch, and the float rounding of the two may differ in the last bits (on an AMD EPYC: 9.8e-8 against
+# 1.1e-7 for the step after the resume; on an Intel Xeon they were equal). Compared within ENGINE_ROUNDING.
+ENGINE_NUMERICS = ("train/rollout_logprob_abs_diff", "train/approx_kl")
+ENGINE_ROUNDING = 1e-6
+
+
 def rows(run_dir: Path) -> list[dict]:
     """Per-step metrics without wall-clock figures, nor the engines' prefix-cache hits: a resumed run's engines start
     empty, while the uninterrupted run's hold what its evaluation before the step prefilled."""
@@ -67,7 +74,12 @@ def test_an_interrupted_run_resumes_with_identical_metrics(uninterrupted, resume
     run_dir, summary, logged_before_resume = resumed
     assert logged_before_resume == [0, 1, 2, 3]  # step 4 was interrupted before it was logged
     assert [r["step"] for r in rows(run_dir)] == [*range(8), 8]  # each step once, then the final evaluation
-    assert rows(run_dir) == rows(whole_dir)  # bitwise: the torch backend is deterministic on CPU
+    resumed_rows, whole_rows = rows(run_dir), rows(whole_dir)
+    for got, want in zip(resumed_rows, whole_rows):
+        for key in ENGINE_NUMERICS:
+            if key in want:
+                assert got.pop(key) == pytest.approx(want.pop(key), abs=ENGINE_ROUNDING), (want["step"], key)
+    assert resumed_rows == whole_rows  # the rest bitwise: the same samples, the same updates, the same weights
     assert summary["reward_start"] == whole_summary["reward_start"]
     assert summary["eval_end"] == whole_summary["eval_end"] and summary["eval_start"] == whole_summary["eval_start"]
     for name in ("model.safetensors",):

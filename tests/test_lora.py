@@ -237,7 +237,7 @@ BASE = ["config", "configs/quickstart.yaml", "run.progress=false"]
     (["backend.lora.rank=4", "backend.lora.sync=both"], "backend.lora.sync: expected merged"),
     (["backend.lora.rank=4", "backend.lora.dropout=1.5"], "backend.lora.dropout: expected a number within [0, 1)"),
     (["backend.lora=8"], "backend.lora: expected a mapping"),
-    (["backend.lora.rank=4", "backend.lora.target_modules=[q_prj]"],
+    (["--check", "backend.lora.rank=4", "backend.lora.target_modules=[q_prj]"],  # the model's modules: --check
      "backend.lora.target_modules: ['q_prj'] does not fit this model"),
     (["backend.lora.rank=4", "backend.lora.sync=adapters", "rollout.engine.num_engines=1",
       "rollout.engine.release_memory_during_train=true"],

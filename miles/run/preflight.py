@@ -24,10 +24,9 @@ from miles.run.hub import is_hub_data, model_folder, stage_hub_split
 from miles.run.lock import LOCK_NAME
 from miles.run.checkpoint import Checkpoint, check_compatible, model_signature, newest_intact_checkpoint
 from miles.config.schema import EvalDatasetConfig, EvalSamplingConfig
-from miles.config.validate import component_node, split_node
+from miles.config.validate import component_node
 from miles.loop.distill import check_teacher
 from miles.errors import ConfigError, DataError
-from miles.hookspecs import LoraEngine
 from miles.loop.evaluation import EvalSet, read_eval_sets
 from miles.models.hf import build_model_dir, context_length, load_tokenizer, read_chat_template
 from miles.rewards.labels import LabelNeed, label_need
@@ -161,36 +160,15 @@ def _check_share_prefixes(config: Any, model_path: str) -> None:
 
 
 def _check_lora(p: Any, model_path: str) -> None:
-    """``backend.lora``: its target_modules fit the model (built on the meta device), and with ``sync: adapters``
-    the engines can take adapter payloads (the embedded engine; not SGLang servers) and keep their base weights."""
+    """``backend.lora``: its target_modules fit the model (built on the meta device)."""
     from miles.train.lora import check_targets, parse_lora
 
     try:
         options = parse_lora(component_node(p.config.backend).get("lora"))
     except ValueError:
         return  # the backend's constructor has reported it
-    if options is None:
-        return
-    check_targets(model_path, options)
-    if p.config.model.path is None:  # built at random: adapters on it learn little
-        print(f"backend.lora: warning: the model is built at random (model.build, no model.path), and LoRA trains only "
-              f"small adapters on it{' from the SFT warm-up on' if p.config.sft.steps > 0 else ''}: they learn little "
-              f"(the quickstart: train reward 0.015 -> 0.020 in 200 steps). Train a base model first, then adapters "
-              f"on it: `miles train CONFIG run.steps=0 run.dir=runs/sft`, then `miles train CONFIG "
-              f"model.path=runs/sft/sft_model sft.steps=0 backend.lora.rank=8` (docs/lora.md: 0.488 -> 0.602)",
-              file=sys.stderr)
-    if options.sync != "adapters":
-        return
-    engine_args, extra = split_node(p.config.rollout.engine, "rollout.engine")
-    engine = p.registry.get("rollout_engine", engine_args["name"]).obj
-    if not (isinstance(engine, LoraEngine) and engine.accepts_lora_adapters):
-        raise ConfigError(f"backend.lora.sync: adapters needs engines that merge LoRA adapters into the base weights "
-                          f"they keep (the embedded engine 'local'); rollout.engine {engine_args['name']!r} cannot "
-                          f"take them (SGLang servers load full weights): use backend.lora.sync=merged")
-    if extra["release_memory_during_train"]:
-        raise ConfigError("backend.lora.sync: adapters merges into base weights the engine keeps, and "
-                          "rollout.engine.release_memory_during_train gives them back during training: use "
-                          "backend.lora.sync=merged, or keep the engine's memory")
+    if options is not None:
+        check_targets(model_path, options)
 
 
 def _resume_checkpoint(run_dir: Path, p: Any, base_model: str, stack: list[dict[str, Any]]) -> Checkpoint | None:

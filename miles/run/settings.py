@@ -1,21 +1,24 @@
 """The start-up checks that read neither the model nor the data: the run directory, the backend's options, the
-batch arithmetic, the CPUs a local Ray instance needs. They import no torch, so plain ``miles config`` makes them
-in under a second; :func:`miles.run.preflight.preflight` makes them first, then the checks that load the model."""
+batch arithmetic, the CPUs a local Ray instance needs, the LoRA settings. They import no torch, so plain
+``miles config`` makes them in under a second; :func:`miles.run.preflight.preflight` makes them first, then the
+checks that load the model."""
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from miles.config.validate import component_node, split_node
 from miles.errors import ConfigError
-from miles.hookspecs import uses_ray
+from miles.hookspecs import LoraEngine, uses_ray
 from miles.run.lock import LOCK_NAME
 from miles.train.assemble import build_backend
 
-__all__ = ["batch_arithmetic", "check_cpus", "check_run_dir", "check_settings", "ray_reservation", "trial_backends"]
+__all__ = ["batch_arithmetic", "check_cpus", "check_lora", "check_run_dir", "check_settings", "ray_reservation",
+           "trial_backends"]
 
 
 def check_run_dir(run_cfg: Any) -> Path:
@@ -97,6 +100,38 @@ def check_cpus(config: Any, backend: Any) -> int | None:
     return int(cluster.num_cpus)
 
 
+def check_lora(p: Any) -> None:
+    """``backend.lora`` with ``sync: adapters``: the engines can take adapter payloads (the embedded engine; not SGLang
+    servers) and keep their base weights. On a model built at random, a warning: adapters on it learn little."""
+    from miles.train.lora import parse_lora
+
+    try:
+        options = parse_lora(component_node(p.config.backend).get("lora"))
+    except ValueError:
+        return  # the backend's constructor has reported it
+    if options is None:
+        return
+    if p.config.model.path is None:  # built at random: adapters on it learn little
+        print(f"backend.lora: warning: the model is built at random (model.build, no model.path), and LoRA trains only "
+              f"small adapters on it{' from the SFT warm-up on' if p.config.sft.steps > 0 else ''}: they learn little "
+              f"(the quickstart: train reward 0.015 -> 0.020 in 200 steps). Train a base model first, then adapters "
+              f"on it: `miles train CONFIG run.steps=0 run.dir=runs/sft`, then `miles train CONFIG "
+              f"model.path=runs/sft/sft_model sft.steps=0 backend.lora.rank=8` (docs/lora.md: 0.488 -> 0.602)",
+              file=sys.stderr)
+    if options.sync != "adapters":
+        return
+    engine_args, extra = split_node(p.config.rollout.engine, "rollout.engine")
+    engine = p.registry.get("rollout_engine", engine_args["name"]).obj
+    if not (isinstance(engine, LoraEngine) and engine.accepts_lora_adapters):
+        raise ConfigError(f"backend.lora.sync: adapters needs engines that merge LoRA adapters into the base weights "
+                          f"they keep (the embedded engine 'local'); rollout.engine {engine_args['name']!r} cannot "
+                          f"take them (SGLang servers load full weights): use backend.lora.sync=merged")
+    if extra["release_memory_during_train"]:
+        raise ConfigError("backend.lora.sync: adapters merges into base weights the engine keeps, and "
+                          "rollout.engine.release_memory_during_train gives them back during training: use "
+                          "backend.lora.sync=merged, or keep the engine's memory")
+
+
 def check_settings(p: Any) -> tuple[Path, int | None]:
     """The checks that read neither model nor data (``miles config`` makes these only; they import no torch): the
     run directory, the backend's options, the batch arithmetic, the CPUs. Returns (run.dir, CPUs for local Ray)."""
@@ -105,6 +140,7 @@ def check_settings(p: Any) -> tuple[Path, int | None]:
     if component_node(p.config.backend).get("routing_replay", False) and not p.config.rollout.return_routed_experts:
         raise ConfigError("backend.routing_replay: replaying the engine's expert choices needs them in the samples; "
                           "set rollout.return_routed_experts: true")
+    check_lora(p)
     if p.config.run.steps > 0:
         batch_arithmetic(p.config)
     return run_dir, check_cpus(p.config, backend)

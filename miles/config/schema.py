@@ -232,7 +232,8 @@ class ClusterConfig:
     engine_resources: Dict[str, float] = key(factory=dict, doc="Custom Ray resources each engine reserves: "
                                                                "`{engine_node: 1}`")
     train_resources: Dict[str, float] = key(factory=dict, doc="Custom Ray resources each training worker reserves")
-    engine_startup_timeout_s: float = key(120.0, gt=0, expected="a positive number of seconds",
+    # 10 minutes: a large model takes minutes to load (SGLang's router allows 30), and a crowded machine slows the start
+    engine_startup_timeout_s: float = key(600.0, gt=0, expected="a positive number of seconds",
                                           doc="Engines not placed, started and healthy by then fail the run")
     router: RouterConfig = key(factory=RouterConfig, doc="The router in front of the engines")
     local_mode: bool = key(False, doc="Every plane in this process, no time limits: debugger breakpoints work in "

@@ -32,7 +32,7 @@ class EngineActor:
     is killed with it (the launcher's parent-death signal is tied to the supervisor thread)."""
 
     def __init__(self, launcher: Any, model_path: str, host: str, admin_token: str, threads: int,
-                 startup_timeout_s: float = 120.0) -> None:
+                 startup_timeout_s: float = 600.0) -> None:
         import queue
 
         self.launcher = launcher

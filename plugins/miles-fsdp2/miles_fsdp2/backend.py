@@ -44,7 +44,7 @@ class FSDP2Backend(RayWorkersBackend):
 
     name = "fsdp2"
 
-    def __init__(self, world_size: int = 2, cpus_per_worker: float = 1.0, startup_timeout_s: float = 120.0,
+    def __init__(self, world_size: int = 2, cpus_per_worker: float = 1.0, startup_timeout_s: float = 600.0,
                  collective_timeout_s: float = 600.0, **options: Any) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")

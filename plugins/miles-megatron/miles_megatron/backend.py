@@ -55,7 +55,7 @@ class MegatronBackend(RayWorkersBackend):
 
     def __init__(self, world_size: int = 1, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                  context_parallel: int = 1, expert_parallel: int = 1, sequence_packing: bool = False,
-                 distributed_optimizer: bool = False, cpus_per_worker: float = 1.0, startup_timeout_s: float = 120.0,
+                 distributed_optimizer: bool = False, cpus_per_worker: float = 1.0, startup_timeout_s: float = 600.0,
                  collective_timeout_s: float = 600.0, **options: Any) -> None:
         sizes = {"world_size": world_size, "tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel,
                  "context_parallel": context_parallel, "expert_parallel": expert_parallel}

@@ -38,7 +38,7 @@ def main() -> None:
             start = time.perf_counter()
             subprocess.run(argv, cwd=ROOT, capture_output=True, check=True)
             times.append(time.perf_counter() - start)
-        print(f"{label:40s} median {statistics.median(times):6.2f} s  (min {min(times):.2f}, max {max(times):.2f}, "
+        print(f"{label:46s} median {statistics.median(times):6.2f} s  (min {min(times):.2f}, max {max(times):.2f}, "
               f"{args.repeats} runs)")
 
 

@@ -32,7 +32,7 @@ from miles.models.hf import build_model_dir, context_length, load_tokenizer, rea
 from miles.rewards.labels import LabelNeed, label_need
 from miles.models.vision import ImageEncoder
 from miles.rollout.data_source import Prompt, check_labels, check_unknown_tokens, encode_rows, read_rows, where_in_file
-from miles.run.settings import check_settings
+from miles.run.settings import check_settings, lora_options
 from miles.train.prefix_tree import config_sharing_problem, parse_share_prefixes
 
 __all__ = ["Staged", "chat_format", "eval_inputs", "preflight", "run_tokenizer"]
@@ -161,13 +161,9 @@ def _check_share_prefixes(config: Any, model_path: str) -> None:
 
 def _check_lora(p: Any, model_path: str) -> None:
     """``backend.lora``: its target_modules fit the model (built on the meta device)."""
-    from miles.train.lora import check_targets, parse_lora
+    from miles.train.lora import check_targets
 
-    try:
-        options = parse_lora(component_node(p.config.backend).get("lora"))
-    except ValueError:
-        return  # the backend's constructor has reported it
-    if options is not None:
+    if (options := lora_options(p)) is not None:
         check_targets(model_path, options)
 
 

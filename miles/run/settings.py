@@ -17,8 +17,8 @@ from miles.hookspecs import LoraEngine, uses_ray
 from miles.run.lock import LOCK_NAME
 from miles.train.assemble import build_backend
 
-__all__ = ["batch_arithmetic", "check_cpus", "check_lora", "check_run_dir", "check_settings", "ray_reservation",
-           "trial_backends"]
+__all__ = ["batch_arithmetic", "check_cpus", "check_lora", "check_run_dir", "check_settings", "lora_options",
+           "ray_reservation", "trial_backends"]
 
 
 def check_run_dir(run_cfg: Any) -> Path:
@@ -100,15 +100,21 @@ def check_cpus(config: Any, backend: Any) -> int | None:
     return int(cluster.num_cpus)
 
 
-def check_lora(p: Any) -> None:
-    """``backend.lora`` with ``sync: adapters``: the engines can take adapter payloads (the embedded engine; not SGLang
-    servers) and keep their base weights. On a model built at random, a warning: adapters on it learn little."""
+def lora_options(p: Any) -> Any:
+    """The parsed ``backend.lora`` (``miles.train.lora.LoraOptions``), or None: none set, or refused already by the
+    backend's constructor, whose message names what is wrong."""
     from miles.train.lora import parse_lora
 
     try:
-        options = parse_lora(component_node(p.config.backend).get("lora"))
+        return parse_lora(component_node(p.config.backend).get("lora"))
     except ValueError:
-        return  # the backend's constructor has reported it
+        return None
+
+
+def check_lora(p: Any) -> None:
+    """``backend.lora`` with ``sync: adapters``: the engines can take adapter payloads (the embedded engine; not SGLang
+    servers) and keep their base weights. On a model built at random, a warning: adapters on it learn little."""
+    options = lora_options(p)
     if options is None:
         return
     if p.config.model.path is None:  # built at random: adapters on it learn little

@@ -145,7 +145,7 @@ def _cmd_engine_serve(args: argparse.Namespace) -> int:
         serve(args.model, host=args.host, port=args.port, seed=args.seed, admin_token=token, device=args.device,
               dtype=args.dtype, max_request_bytes=int(args.max_request_mib * 2**20),
               max_weight_request_bytes=int(args.max_weight_request_mib * 2**20), allowed_hosts=tuple(args.allowed_host),
-              engine_args=_engine_args(args.engine_args))
+              engine_args={"logprobs_of": args.logprobs_of, **_engine_args(args.engine_args)})
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from exc
     return 0
@@ -349,6 +349,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-args", default="{}", metavar="JSON",
                        help="more arguments of the engine, as rollout.engine gives them: "
                             "'{\"max_batch_size\": 256, \"prefix_cache_tokens\": 0}'")
+    serve.add_argument("--logprobs-of", default="sampling", choices=["sampling", "truncated", "model"],
+                       help="the distribution of the sampled tokens' log-probs: at the request's temperature "
+                            "(sampling, SGLang's), also top-p/top-k truncated, or the model's own (temperature 1)")
     serve.set_defaults(func=_cmd_engine_serve)
 
     session = sub.add_parser("session", help="the session server for external agent harnesses")

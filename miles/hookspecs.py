@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from miles.types import Group
 
 __all__ = ["hookspec", "Register", "takes_option", "ChecksArgs", "NeedsLabel", "NeedsValues", "LossDefaults",
-           "NeedsRefLogprobs", "ClosingRolloutFn", "BackgroundEngine", "LoraEngine", "ServerLauncher",
+           "NeedsRefLogprobs", "ClosingRolloutFn", "BackgroundEngine", "LoraEngine", "LogprobsOfEngine", "ServerLauncher",
            "is_server_launcher", "ProtocolLauncher", "MemorySaverLauncher", "RoutedExpertsLauncher",
            "DescribedSandbox", "CheckedSandbox", "HostedSandbox", "RayBackend", "uses_ray", "ClosingTransport",
            "DiskTransportSwitch", "ReportingTransport", "SnapshotTransport", "RewindableLogger"]
@@ -188,6 +188,15 @@ class LoraEngine(Protocol):
     it keeps (``backend.lora.sync: adapters``)."""
 
     accepts_lora_adapters: bool
+
+
+@runtime_checkable
+class LogprobsOfEngine(Protocol):
+    """A rollout engine (in-process, or a server launcher) with ``logprobs_of_choices`` reports the sampled tokens'
+    log-probs under the distribution its ``logprobs_of`` argument names, one of those (Miles passes
+    ``rollout.logprobs_of``). One without it is taken to report them as SGLang does by default (``sampling``)."""
+
+    logprobs_of_choices: tuple[str, ...]
 
 
 @runtime_checkable

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # torch, NumPy and the MoE helpers are imported where used: `import miles` stays light
     import torch
 
     from miles.models.vision import ProcessedImage
 
-__all__ = ["SampleStatus", "Sample", "Group", "TrainBatch", "LossInputs", "Reward"]
+__all__ = ["SampleStatus", "SampledWith", "Sample", "Group", "TrainBatch", "TokenSampling", "LossInputs", "Reward"]
 
 Reward = float | dict[str, float]
 
@@ -31,13 +31,45 @@ class SampleStatus(str, enum.Enum):
     FAILED = "failed"  # rollout, environment or reward error; never trained on
 
 
+class SampledWith(NamedTuple):
+    """The response tokens from ``start`` on (to the next record) were sampled with these parameters: the
+    distribution their log-probs are taken under (``rollout.logprobs_of``, :mod:`miles.models.sampling`)."""
+
+    start: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    @classmethod
+    def of(cls, start: int, params: Mapping[str, Any]) -> "SampledWith":
+        """From SGLang ``sampling_params`` (a missing one at SGLang's default)."""
+        return cls(start, float(params.get("temperature", 1.0)), float(params.get("top_p", 1.0)),
+                   int(params.get("top_k", -1)))
+
+    @classmethod
+    def add(cls, records: list["SampledWith"], start: int, params: Mapping[str, Any]) -> None:
+        """Record in ``records`` that the response's tokens from ``start`` on were sampled with ``params``
+        (a record only where the parameters change)."""
+        entry = cls.of(start, params)
+        if not records or tuple(records[-1])[1:] != tuple(entry)[1:]:
+            records.append(entry)
+
+    def neutral(self, truncated: bool) -> bool:
+        """Whether these tokens' distribution is the model's own (temperature 1 or greedy, and, where the
+        truncated distribution is asked for, no top-p or top-k)."""
+        return self.temperature in (0.0, 1.0) and (not truncated or self.temperature == 0.0
+                                                     or (self.top_p >= 1.0 and self.top_k <= 0))
+
+
 @dataclass
 class Sample:
     """One trajectory.
 
     ``response_ids`` holds every token after the prompt, tool observations included;
     ``loss_mask[i]`` is 1 where the policy produced ``response_ids[i]`` and 0 for observations;
-    ``rollout_logprobs[i]`` is the engine's log-prob of ``response_ids[i]`` (0.0 where masked).
+    ``rollout_logprobs[i]`` is the engine's log-prob of ``response_ids[i]`` (0.0 where masked);
+    ``sampled_with`` the sampling parameters of the response's tokens, from the first it holds on (none recorded:
+    the run's ``rollout.sampling``).
     """
 
     prompt_ids: list[int]
@@ -66,6 +98,7 @@ class Sample:
     # vision-language models: the images whose tokens prompt_ids + response_ids hold (each a span of
     # <|image_pad|> tokens), in order, as the image processor made them (miles.models.vision)
     images: list[ProcessedImage] = field(default_factory=list, repr=False)
+    sampled_with: list[SampledWith] = field(default_factory=list)
 
     @property
     def trainable(self) -> bool:
@@ -101,6 +134,10 @@ class Sample:
             if not self.weight_versions or offset == 0 or version != self.weight_versions[-1]:
                 self.weight_versions.append(version)
 
+    def record_sampling(self, start: int, params: Mapping[str, Any]) -> None:
+        """Record that ``response_ids[start:]`` were sampled with ``params`` (SGLang ``sampling_params``)."""
+        SampledWith.add(self.sampled_with, start, params)
+
     def record_routing(self, meta: dict[str, Any], input_len: int) -> None:
         """Keep the expert ids of an engine answer (``meta_info["routed_experts"]``, SGLang's form) for the
         positions this sample has none for yet. The answer fed ``input_len`` tokens (the request's prompt: this
@@ -134,16 +171,18 @@ class Sample:
                          label=self.label, response_ids=self.response_ids, loss_mask=self.loss_mask,
                          rollout_logprobs=self.rollout_logprobs, status=SampleStatus.COMPLETED, reason=reason,
                          weight_versions=list(self.weight_versions), off_policy_tokens=self.off_policy_tokens,
-                         turns=self.turns, routed_experts=self.routed_experts, images=self.images)
+                         turns=self.turns, routed_experts=self.routed_experts, images=self.images,
+                         sampled_with=self.sampled_with)
         self.segments.append(segment)
         self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs = list(prompt_ids), [], [], []
-        self.images = list(images)
+        self.images, self.sampled_with = list(images), []
         self.off_policy_tokens, self.routed_experts = 0, None
 
     def truncate_response(self, length: int) -> None:
         """Keep the first ``length`` response tokens (with their mask, log-probs and routing)."""
         del self.response_ids[length:], self.loss_mask[length:], self.rollout_logprobs[length:]
         self.off_policy_tokens = min(self.off_policy_tokens, length)
+        self.sampled_with = [entry for entry in self.sampled_with if entry.start < length] or self.sampled_with[:1]
         if self.routed_experts is not None:
             from miles.models.moe import compact, expand
 
@@ -204,6 +243,8 @@ class TrainBatch:
     routed_experts: torch.Tensor | None = None
     # vision-language models: each row's images, in the order of its image spans (None: no row has any)
     images: list[list[ProcessedImage]] | None = None
+    # the distribution each target token's log-prob is taken under (rollout.logprobs_of); None: the model's own
+    sampling: TokenSampling | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -249,10 +290,15 @@ class TrainBatch:
             images=None if self.images is None else (
                 self.images[rows] if isinstance(rows, slice) else
                 [self.images[i] for i in (rows.tolist() if hasattr(rows, "tolist") else rows)]),
+            sampling=None if self.sampling is None else self.sampling.select(rows, width - 1),
         )
 
     @classmethod
-    def from_samples(cls, samples: list[Sample], pad_token_id: int) -> "TrainBatch":
+    def from_samples(cls, samples: list[Sample], pad_token_id: int, logprobs_of: str = "model",
+                     sampling: Mapping[str, Any] | None = None) -> "TrainBatch":
+        """The padded batch of ``samples``. ``logprobs_of`` (``rollout.logprobs_of``): the distribution their
+        log-probs are taken under, from each sample's ``sampled_with`` (``sampling``, the run's
+        ``rollout.sampling``, for a sample that recorded none); ``model``: the model's own."""
         if not samples:
             raise ValueError("cannot build a TrainBatch from no samples")
         import torch
@@ -278,7 +324,61 @@ class TrainBatch:
             samples=samples,
             routed_experts=_routed_experts(samples, width),
             images=[list(s.images) for s in samples] if any(s.images for s in samples) else None,
+            sampling=TokenSampling.of(samples, width - 1, logprobs_of, sampling),
         )
+
+
+@dataclass
+class TokenSampling:
+    """Per target token (``[B, L-1]``, aligned like the loss mask): the distribution its log-prob is taken under
+    (:func:`miles.models.sampling.distribution_logits`). ``top_p`` and ``top_k`` only for ``rollout.logprobs_of:
+    truncated``."""
+
+    temperature: torch.Tensor  # [B, L-1] float; 1 where nothing was sampled (the prompt, padding), 0: greedy
+    top_p: torch.Tensor | None = None  # [B, L-1] float, 1.0: off
+    top_k: torch.Tensor | None = None  # [B, L-1] long, -1: off
+
+    def select(self, rows: slice | torch.Tensor | list[int], width: int) -> "TokenSampling":
+        return TokenSampling(*(None if t is None else t[rows, :width] for t in (self.temperature, self.top_p,
+                                                                                 self.top_k)))
+
+    def on(self, device: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(temperature, top_p, top_k)`` on ``device``, as :func:`miles.models.sampling.distribution_logits`
+        takes them."""
+        return tuple(None if t is None else t.to(device) for t in (self.temperature, self.top_p, self.top_k))
+
+    def row(self, row: int, length: int, device: Any) -> dict[str, torch.Tensor]:
+        """One row's first ``length`` columns, as :func:`miles.models.hf.exact_logprobs` takes them."""
+        return {name: t[row, :length].to(device) for name, t in (("temperature", self.temperature),
+                                                                  ("top_p", self.top_p), ("top_k", self.top_k))
+                if t is not None}
+
+    @classmethod
+    def of(cls, samples: list[Sample], width: int, logprobs_of: str,
+           default: Mapping[str, Any] | None) -> TokenSampling | None:
+        """The samples' distributions ``[B, width]``; None when every token's is the model's own."""
+        if logprobs_of == "model":
+            return None
+        truncated = logprobs_of == "truncated"
+        fallback = [SampledWith.of(0, default or {})]
+        runs = [s.sampled_with or fallback for s in samples]
+        if all(entry.neutral(truncated) for entries in runs for entry in entries):
+            return None
+        import torch
+
+        temperature = torch.ones((len(samples), width))
+        top_p = torch.ones((len(samples), width)) if truncated else None
+        top_k = torch.full((len(samples), width), -1, dtype=torch.long) if truncated else None
+        for row, (sample, entries) in enumerate(zip(samples, runs)):
+            lead = len(sample.prompt_ids) - 1  # response token i is predicted at column lead + i
+            for i, entry in enumerate(entries):
+                end = entries[i + 1].start if i + 1 < len(entries) else len(sample.response_ids)
+                columns = slice(lead + entry.start, lead + end)
+                temperature[row, columns] = entry.temperature
+                if truncated:
+                    top_p[row, columns] = entry.top_p
+                    top_k[row, columns] = entry.top_k
+        return cls(temperature, top_p, top_k)
 
 
 def _routed_experts(samples: list[Sample], width: int) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from miles.config.keys import Key, key, keys, like
+from miles.models.sampling import LOGPROBS_OF
 
 __all__ = ["MilesConfig", "AsyncConfig", "structured_defaults", "schema_keys", "component_node", "split_node",
            "COMPONENT_NODES", "COMPONENT_LISTS", "SCHEDULES"]
@@ -145,6 +146,10 @@ class RolloutConfig:
                                                  "the samples")
     sampling: SamplingConfig = key(factory=SamplingConfig, doc="Sampling parameters sent with every request")
     tito: TitoConfig = key(factory=TitoConfig, doc="Token in, token out across turns")
+    logprobs_of: str = key("sampling", choices=LOGPROBS_OF,
+                           doc="The distribution a sampled token's log-prob is taken under, by the engine and the "
+                               "trainer alike: `sampling` (at its temperature), `truncated` (temperature, then "
+                               "top-p/top-k) or `model` (temperature 1)")
     true_on_policy: bool = key(False, doc="The engine's log-probs of sampled tokens bit-identical to the trainer's "
                                           "(dense models, the local engine)")
 

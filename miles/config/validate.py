@@ -16,7 +16,7 @@ from miles.config.keys import keys
 from miles.config.schema import (COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES, EvalDatasetConfig, component_node,
                                  schema_keys, split_node)
 from miles.errors import ConfigError
-from miles.hookspecs import ChecksArgs, NeedsValues, is_server_launcher, uses_ray
+from miles.hookspecs import ChecksArgs, LogprobsOfEngine, NeedsValues, is_server_launcher, uses_ray
 from miles.registry import KINDS, Registry, nested_nodes
 
 __all__ = ["validate_config", "component_node", "split_node"]
@@ -185,6 +185,7 @@ def _agentic_problems(config: DictConfig, registry: Registry) -> list[str]:
                             f"retokenize or fail, or a sequence-level estimator (grpo, rloo, reinforce_pp, ...)")
     if config.rollout.true_on_policy:
         problems += _true_on_policy_problems(config, registry)
+    problems += _logprobs_of_problems(config, registry)
     choice = config.model.chat_format
     if choice != "auto":
         try:
@@ -213,6 +214,28 @@ def _true_on_policy_problems(config: DictConfig, registry: Registry) -> list[str
                         "backend.share_prefixes true cannot go with it (auto does not share under it)")
     if config.model.build.arch != "qwen3" and config.model.path is None:
         problems.append(f"rollout.true_on_policy: dense models only; model.build.arch is {config.model.build.arch!r}")
+    return problems
+
+
+def _logprobs_of_problems(config: DictConfig, registry: Registry) -> list[str]:
+    """``rollout.logprobs_of``: the engine must report the sampled tokens' log-probs under that distribution, and the
+    trainer must be able to compute it."""
+    wanted, problems = str(config.rollout.logprobs_of), []
+    node = component_node(config.rollout.engine)
+    if "logprobs_of" in node:
+        problems.append("rollout.engine.logprobs_of: set by rollout.logprobs_of (the engine and the trainer take the "
+                        "same distribution); remove it from the engine node")
+    try:
+        engine = registry.get("rollout_engine", node["name"]).obj
+    except ConfigError:
+        return problems  # reported with the engine node
+    choices = engine.logprobs_of_choices if isinstance(engine, LogprobsOfEngine) else ("sampling",)
+    if wanted not in choices:
+        problems.append(f"rollout.logprobs_of: rollout engine {node['name']!r} reports the sampled tokens' log-probs "
+                        f"under {' or '.join(choices)}, got {wanted!r}")
+    if wanted == "truncated" and component_node(config.backend).get("logprob_chunk_tokens", 0):
+        problems.append("rollout.logprobs_of: truncated needs the whole vocabulary's logits of each token (top-p and "
+                        "top-k sort them); backend.logprob_chunk_tokens must be 0")
     return problems
 
 

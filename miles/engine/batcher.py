@@ -37,8 +37,11 @@ _log = logging.getLogger(__name__)
 class ContinuousBatcher:
     def __init__(self, model: Any, tokenizer: Any, *, context_length: int, pad_token_id: int, eos_token_id: int,
                  generator: torch.Generator, max_batch_size: int, version: Callable[[], int],
-                 background: bool = True, prefix_cache_tokens: int = 0, exact_logprobs: bool = False) -> None:
+                 background: bool = True, prefix_cache_tokens: int = 0, exact_logprobs: bool = False,
+                 logprobs_of: str = "sampling") -> None:
         self.model, self.tokenizer = model, tokenizer
+        # rollout.logprobs_of: the distribution the sampled tokens' log-probs (and top log-probs, entropy) are of
+        self.logprobs_of = logprobs_of
         # rollout.true_on_policy: each answer's log-probs computed again as the trainer computes them (bit for bit)
         self.exact_logprobs = exact_logprobs
         self.device = next(model.parameters()).device  # every tensor of the batch lives beside the weights
@@ -411,8 +414,9 @@ class ContinuousBatcher:
         if self.never_generated is not None:  # a vision-language model's image tokens (miles.models.vision)
             logits = logits.index_fill(1, self.never_generated, float("-inf"))
         temperature, top_p, top_k = settings
-        tokens = sample_next(logits, temperature, top_p, top_k, self.generator)
-        all_logprobs = logits.log_softmax(dim=-1)  # [B, V]
+        tokens, scaled, drawn = sample_next(logits, temperature, top_p, top_k, self.generator)
+        reported = {"sampling": scaled, "truncated": drawn, "model": logits}[self.logprobs_of]
+        all_logprobs = reported.log_softmax(dim=-1)  # [B, V]
         logprobs = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         k = max((r.top_logprobs_num for r in rows if r.return_logprob), default=0)
         top = top_logprobs(all_logprobs, k) if k else None
@@ -477,12 +481,32 @@ class ContinuousBatcher:
     @torch.inference_mode()
     def _rescore(self, r: Request, meta: dict[str, Any]) -> None:
         """Replace the decode's log-probs of ``r``'s outputs with :func:`miles.models.hf.exact_logprobs` over the prompt
-        and the outputs (the weights that sampled them: under the step lock); ``sampling_logprob_abs_diff_max`` says
-        how far the distribution the tokens were sampled from was from them (float rounding of the cached decode)."""
-        exact = exact_logprobs(self.model, r.prompt + r.output_ids, length=self.context_length,
-                               pad_token_id=self.pad)[len(r.prompt) - 1:].tolist()
+        and the outputs (the weights that sampled them: under the step lock), under the distribution the decode
+        reported (``rollout.logprobs_of``); ``sampling_logprob_abs_diff_max`` says how far the distribution the tokens
+        were sampled from was from them (float rounding of the cached decode)."""
+        ids = r.prompt + r.output_ids
+        exact = exact_logprobs(self.model, ids, length=self.context_length, pad_token_id=self.pad,
+                               **self._distribution(r, len(ids) - 1))[len(r.prompt) - 1:].tolist()
         meta["sampling_logprob_abs_diff_max"] = max(abs(a - b) for a, b in zip(exact, r.output_logprobs))
         r.output_logprobs = exact
+
+    def _distribution(self, r: Request, positions: int) -> dict[str, torch.Tensor]:
+        """The per-position distribution of :func:`exact_logprobs` over ``r``'s prompt and outputs (``positions``
+        predictions): the model's for the prompt, the request's sampling parameters for the outputs."""
+        if self.logprobs_of == "model":
+            return {}
+        outputs = len(r.output_ids)
+        prompt = positions - outputs
+
+        def column(value: float, neutral: float, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor([neutral] * prompt + [value] * outputs, dtype=dtype, device=self.device)
+
+        params = r.params
+        out = {"temperature": column(float(params.temperature), 1.0, torch.float32)}
+        if self.logprobs_of == "truncated":
+            out["top_p"] = column(float(params.top_p), 1.0, torch.float32)
+            out["top_k"] = column(params.top_k, -1, torch.long)
+        return out
 
     def _answer(self, r: Request, text: str | None = None) -> dict[str, Any]:
         self.stats["requests_finished"] += 1

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.errors import RunError
+from miles.models.sampling import LOGPROBS_OF
 
 __all__ = ["EmbeddedLauncher", "SubprocessLauncher", "MilesServerLauncher", "log_tail"]
 
@@ -220,16 +221,18 @@ class MilesServerLauncher(SubprocessLauncher):
 
     name = "miles engine serve"
     accepts_lora_adapters = True  # the embedded engine: it merges adapter payloads (backend.lora.sync: adapters)
+    logprobs_of_choices = LOGPROBS_OF
 
     def __init__(self, seed: int = 0, extra_args: list[str] | None = None, *, startup_timeout_s: float | None = None,
-                 stop_timeout_s: float = 10.0, log_dir: str | None = None) -> None:
+                 stop_timeout_s: float = 10.0, log_dir: str | None = None, logprobs_of: str = "sampling") -> None:
         super().__init__(startup_timeout_s=startup_timeout_s, stop_timeout_s=stop_timeout_s, log_dir=log_dir)
         self.seed = seed
         self.extra_args = [str(a) for a in extra_args or []]
+        self.logprobs_of = logprobs_of
 
     def command(self, model_path: str, *, host: str, port: int, admin_token: str, threads: int) -> list[str]:
         argv = [sys.executable, "-m", "miles", "engine", "serve", "--model", str(model_path), "--host", host,
-                "--port", str(port), "--seed", str(self.seed)]
+                "--port", str(port), "--seed", str(self.seed), "--logprobs-of", self.logprobs_of]
         return argv + self.extra_args
 
     def environment(self, *, threads: int, admin_token: str) -> dict[str, str]:

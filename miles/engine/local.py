@@ -18,6 +18,7 @@ from miles.engine.image_input import ImageCache, attach_images
 from miles.engine.request import Request
 from miles.engine.sampling import SamplingParams, shown
 from miles.lazy import lazy_module
+from miles.models.sampling import LOGPROBS_OF
 from miles.models.vision import vision_spec
 from miles.weights.delta import DeltaRefused, raw_bytes
 from miles.weights.lora import adapter_layers, adapter_problems, is_adapter_payload, merged_weight
@@ -37,17 +38,21 @@ class LocalEngine:
 
     # Takes LoRA adapter payloads (miles.weights.lora) in update_weights and merges them into its base weights
     accepts_lora_adapters = True
+    logprobs_of_choices = LOGPROBS_OF  # every distribution of miles.models.sampling
 
     def __init__(self, max_batch_size: int = 1024, seed: int = 0, background: bool = False,
                  prefix_cache_tokens: int = 32768, device: str = "cpu", dtype: str = "float32",
-                 exact_logprobs: bool = False) -> None:
+                 exact_logprobs: bool = False, logprobs_of: str = "sampling") -> None:
         """``device``: cpu, cuda (one GPU) or auto (cuda when torch sees one); ``dtype``: the weights' type
         (float32, bfloat16 or float16; auto: bfloat16 on a GPU that supports it, else float32).
         ``exact_logprobs``: answer with log-probs computed as the trainer computes them, bit for bit
-        (:func:`miles.models.hf.exact_logprobs`; ``rollout.true_on_policy`` sets it)."""
+        (:func:`miles.models.hf.exact_logprobs`; ``rollout.true_on_policy`` sets it). ``logprobs_of``: the
+        distribution of the sampled tokens' log-probs (:mod:`miles.models.sampling`; ``rollout.logprobs_of``)."""
         if not isinstance(exact_logprobs, bool):
             raise ValueError(f"exact_logprobs: expected true or false, got {exact_logprobs!r}")
-        self.exact_logprobs = exact_logprobs
+        if logprobs_of not in LOGPROBS_OF:
+            raise ValueError(f"logprobs_of: expected one of {', '.join(LOGPROBS_OF)}, got {logprobs_of!r}")
+        self.exact_logprobs, self.logprobs_of = exact_logprobs, logprobs_of
         if not _is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens: expected an integer >= 0 (0: no prefix cache), "
                              f"got {prefix_cache_tokens!r}")
@@ -108,6 +113,7 @@ class LocalEngine:
             eos_token_id=self.tokenizer.eos_token_id, generator=torch.Generator(device).manual_seed(self.seed),
             max_batch_size=self.max_batch_size, version=lambda: self.weight_version, background=self.background,
             prefix_cache_tokens=self.prefix_cache_tokens, exact_logprobs=self.exact_logprobs,
+            logprobs_of=self.logprobs_of,
         )
         if self.vision is not None:
             self.batcher.never_generated = torch.tensor(self.vision.never_generated, device=device)
@@ -305,7 +311,9 @@ class LocalEngine:
         With ``return_logprob``: ``logprob_start_len >= 0`` adds ``input_token_logprobs`` (the prompt's, from
         that position; the first token has none), ``top_logprobs_num`` adds ``output_top_logprobs`` (and
         ``input_top_logprobs``), ``return_text_in_logprobs`` fills each triple's text. ``return_entropy`` adds
-        ``output_token_entropy`` (nats, of each next-token distribution before temperature).
+        ``output_token_entropy`` (nats, of each next-token distribution the log-probs are of). Output log-probs are
+        of the distribution ``logprobs_of`` names (at the request's temperature by default); the prompt's are the
+        model's own.
         ``return_routed_experts`` (MoE models) adds ``routed_experts``: SGLang's base64 of int32 expert ids
         ``[tokens, num_layers, top_k]`` of every token fed through the model (the prompt, then the outputs but the
         last; -1 for dense layers); such a request's prompt is computed whole, not from the prefix cache.

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from miles.lazy import lazy_module
+from miles.models.sampling import scaled_logits, truncated_logits
 
 torch = lazy_module("torch")
 
@@ -142,24 +143,20 @@ def sample_next(
     top_p: torch.Tensor,  # [B]
     top_k: torch.Tensor,  # [B] long, -1 for off
     generator: torch.Generator | None,
-) -> torch.Tensor:  # [B] long
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The next token of each row ([B] long): drawn from ``softmax(truncate(logits / T))``, the argmax where the
+    temperature is 0. Also the temperature-scaled logits and those of the truncated distribution the tokens were
+    drawn from ([B, V] each; a greedy row's are its ``logits``): :mod:`miles.models.sampling` says which of the three
+    distributions a log-prob is reported under (``rollout.logprobs_of``)."""
     greedy = temperature == 0
     if bool(greedy.all()):
-        return logits.argmax(dim=-1)
-    scaled = logits / temperature.clamp(min=1e-5).unsqueeze(1)
-    if bool(((top_k > 0) | (top_p < 1)).any()):
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)
-        k = torch.where(top_k > 0, top_k, scaled.shape[-1]).unsqueeze(1)
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop = (ranks >= k) | (mass_before > top_p.unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
-    sampled = torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        return logits.argmax(dim=-1), logits, logits
+    scaled = scaled_logits(logits, temperature)
+    drawn = truncated_logits(scaled, temperature, top_p, top_k)
+    sampled = torch.multinomial(drawn.softmax(dim=-1), 1, generator=generator).squeeze(1)
     if bool(greedy.any()):
         sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    return sampled
+    return sampled, scaled, drawn
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from miles.hookspecs import NeedsValues
 from miles.loop.distill import Teacher, distill_advantages
@@ -38,6 +39,10 @@ class Learner:
     # run.save_rollouts: called with each step's training samples before they train (miles.loop.saved_rollouts)
     save_rollouts: Callable[[int, list[Sample]], None] | None = None
     trajectories: TrajectoryWriter | None = None  # run.trajectories: a few groups of each step, for people to read
+    # rollout.logprobs_of: the distribution log-probs are taken under, at each sample's recorded sampling parameters
+    # (rollout.sampling for a sample that recorded none)
+    logprobs_of: str = "model"
+    sampling: dict[str, Any] | None = None
 
     @classmethod
     def from_config(cls, p: Any, backend: Any, pad_token_id: int, **parts: Any) -> Learner:
@@ -46,7 +51,8 @@ class Learner:
         loss = regularized(p.build("loss", "loss"), kl_coef=reg.kl_coef if reg.kl_in == "loss" else 0.0,
                            kl_estimator=reg.kl_estimator, entropy_coef=reg.entropy_coef)
         return cls(backend, p.build("advantage", "advantage"), loss, pad_token_id,
-                   mask_off_policy=config.rollout.mask_off_policy,
+                   mask_off_policy=config.rollout.mask_off_policy, logprobs_of=str(config.rollout.logprobs_of),
+                   sampling=OmegaConf.to_container(config.rollout.sampling),
                    kl_reward_coef=reg.kl_coef if reg.kl_in == "reward" else 0.0, kl_estimator=reg.kl_estimator,
                    **parts)
 
@@ -68,7 +74,7 @@ class Learner:
         train_s = logprob_s = advantage_s = 0.0
         if trains:
             logprob_start = time.perf_counter()  # the forward passes before the update: reference, values, teacher
-            batch = TrainBatch.from_samples(rows, self.pad_token_id)
+            batch = TrainBatch.from_samples(rows, self.pad_token_id, self.logprobs_of, self.sampling)
             if self.kl_reward_coef:
                 kl = kl_estimate(batch.rollout_logprobs, self.backend.ref_logprobs(batch), self.kl_estimator) \
                     * batch.loss_mask

@@ -9,7 +9,8 @@ archive, read without pickle) holds step 123's samples in the order the step tra
 - ``routed_experts`` and ``routed_lens`` (-1: none), when samples carry MoE expert ids;
 - ``rng_torch`` and ``rng_python`` (and ``rng_cuda``): this process's RNG state as the step began training;
 - ``meta``: UTF-8 JSON: per sample its group, index, status, reason, reward (float or dict), label, prompt,
-  response text, weight versions, off-policy tokens, turns and metadata.
+  response text, weight versions, off-policy tokens, turns, metadata and sampling parameters (``sampled_with``:
+  ``[start, temperature, top_p, top_k]`` records; a file without them replays under the run's ``rollout.sampling``).
 
 :func:`read_step` gives the samples back as :class:`~miles.types.Sample` objects (``miles replay`` trains on
 them); anything a step's metadata holds that JSON cannot (a plugin's object) is kept as its ``repr``.
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from miles.errors import DataError
-from miles.types import Group, Sample, SampleStatus
+from miles.types import Group, SampledWith, Sample, SampleStatus
 
 __all__ = ["FORMAT", "RolloutWriter", "step_path", "saved_steps", "write_step", "read_step", "read_meta",
            "groups_of", "restore_rng"]
@@ -103,7 +104,7 @@ def write_step(directory: str | Path, step: int, samples: list[Sample]) -> Path:
             "group": s.group_index, "index": s.index, "status": s.status.value, "reason": s.reason,
             "reward": s.reward, "label": s.label, "prompt": s.prompt, "response_text": s.response_text,
             "weight_versions": s.weight_versions, "off_policy_tokens": s.off_policy_tokens, "turns": s.turns,
-            "metadata": s.metadata,
+            "metadata": s.metadata, "sampled_with": [list(entry) for entry in s.sampled_with],
         } for s in samples],
     }
     arrays["meta"] = np.frombuffer(json.dumps(meta, default=_jsonable).encode(), dtype=np.uint8)
@@ -174,7 +175,7 @@ def _samples(arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> list[Sample
             rollout_logprobs=logprobs[i].tolist(), response_text=row["response_text"], reward=row["reward"],
             status=SampleStatus(row["status"]), reason=row["reason"], weight_versions=row["weight_versions"],
             off_policy_tokens=row["off_policy_tokens"], turns=row["turns"], metadata=row["metadata"],
-            routed_experts=routed[i]))
+            routed_experts=routed[i], sampled_with=[SampledWith(*entry) for entry in row.get("sampled_with", [])]))
     return samples
 
 

@@ -26,6 +26,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from miles.errors import ConfigError
+from miles.models.sampling import distribution_logits
 
 __all__ = ["build_char_tokenizer", "build_model_dir", "context_length", "exact_logprobs", "load_model",
            "load_tokenizer", "save_pretrained"]
@@ -302,13 +303,16 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def exact_logprobs(model: PreTrainedModel, input_ids: Sequence[int] | torch.Tensor, *, length: int, pad_token_id: int,
-                   with_entropy: bool = False):
+                   with_entropy: bool = False, temperature: torch.Tensor | None = None,
+                   top_p: torch.Tensor | None = None, top_k: torch.Tensor | None = None):
     """``[n - 1]`` log p(input_ids[t + 1] | input_ids[:t + 1]) of one sequence of ``n`` tokens, computed the same way
     whatever else is being computed: alone (batch of one), right-padded to ``length`` positions (the context length)
     with causal attention only. Every call has the same shapes and runs the same kernels, and a position's result
     depends only on the tokens at and before it (later positions get exactly zero attention), so the rollout engine
     and the trainer get bit-identical log-probs for the same tokens and weights (``rollout.true_on_policy``).
-    With ``with_entropy``, also the entropy of each predicted distribution. Differentiable when grad is enabled."""
+    With ``with_entropy``, also the entropy of each predicted distribution. ``temperature``, ``top_p``, ``top_k``
+    (``[n - 1]`` each, None: the model's own distribution): the distribution each position's log-prob is taken under
+    (:func:`miles.models.sampling.distribution_logits`). Differentiable when grad is enabled."""
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     n = int(ids.numel())
     if not 2 <= n <= length:
@@ -316,11 +320,15 @@ def exact_logprobs(model: PreTrainedModel, input_ids: Sequence[int] | torch.Tens
     device = next(model.parameters()).device
     padded = torch.full((1, length), pad_token_id, dtype=torch.long, device=device)
     padded[0, :n] = ids.to(device)
-    log_p = model(input_ids=padded, use_cache=False).logits[0, : n - 1].float().log_softmax(dim=-1)
-    logprobs = log_p.gather(1, ids[1:].to(device).unsqueeze(1)).squeeze(1)
+    targets = ids[1:].to(device)
+    logits = model(input_ids=padded, use_cache=False).logits[0, : n - 1].float()
+    logits = distribution_logits(logits, temperature, top_p, top_k, keep=targets)
+    log_p = logits.log_softmax(dim=-1)
+    logprobs = log_p.gather(1, targets.unsqueeze(1)).squeeze(1)
     if not with_entropy:
         return logprobs
-    return logprobs, -(log_p.exp() * log_p).sum(dim=-1)
+    terms = log_p.exp() * log_p  # 0 * -inf where top-p/top-k left a token out: nan, taken as 0
+    return logprobs, -torch.where(torch.isfinite(log_p), terms, torch.zeros_like(terms)).sum(dim=-1)
 
 
 def context_length(model_path: str) -> int:

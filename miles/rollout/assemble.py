@@ -24,8 +24,8 @@ from miles.errors import RunError
 from miles.cluster import cores
 from miles.engine.process import separate_process, start_engine_process
 from miles.hookspecs import (BackgroundEngine, CheckedSandbox, ClosingRolloutFn, DescribedSandbox,
-                             DiskTransportSwitch, HostedSandbox, MemorySaverLauncher, ProtocolLauncher,
-                             RoutedExpertsLauncher, is_server_launcher, takes_option)
+                             DiskTransportSwitch, HostedSandbox, LogprobsOfEngine, MemorySaverLauncher,
+                             ProtocolLauncher, RoutedExpertsLauncher, is_server_launcher, takes_option)
 from miles.models.hf import context_length
 from miles.models.vision import ImageEncoder
 from miles.rollout.context import RolloutContext
@@ -43,6 +43,8 @@ def rollout_plane(p: Any, model_path: str, transport: Any, ray_cluster: Callable
     engine_args, extra = split_node(p.config.rollout.engine, "rollout.engine")
     if p.config.rollout.true_on_policy:  # the engine answers with the log-probs the trainer computes, bit for bit
         engine_args = {**engine_args, "exact_logprobs": True}
+    if isinstance(p.registry.get("rollout_engine", engine_args["name"]).obj, LogprobsOfEngine):
+        engine_args = {**engine_args, "logprobs_of": str(p.config.rollout.logprobs_of)}  # as the trainer takes them
     num_engines = extra.get("num_engines", 0)
     if p.config.cluster.local_mode:
         instead = f"; one in-process engine instead of rollout.engine.num_engines={num_engines}" if num_engines else ""

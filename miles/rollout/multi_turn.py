@@ -154,6 +154,7 @@ class MultiTurn:
                                                **ctx.generate_options, **images)
             meta = answer["meta_info"]
             start = len(sample.response_ids)
+            sample.record_sampling(start, params)
             sample.append(list(answer["output_ids"]), [float(t[0]) for t in meta["output_token_logprobs"]],
                           from_policy=True)
             sample.record_routing(meta, len(sample.prompt_ids) + start)

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from miles.rollout.context import RolloutContext
 from miles.types import Sample, SampleStatus
 
 __all__ = ["single_turn", "apply_generate_answer"]
 
 
-def apply_generate_answer(sample: Sample, answer: dict) -> None:
-    """Append an SGLang-shaped ``/generate`` answer to a sample as policy tokens."""
+def apply_generate_answer(sample: Sample, answer: dict, params: Mapping[str, Any] | None = None) -> None:
+    """Append an SGLang-shaped ``/generate`` answer to a sample as policy tokens; ``params``: the
+    ``sampling_params`` it was asked with (the distribution its log-probs are of; None: the run's)."""
     meta = answer["meta_info"]
     ids = list(answer["output_ids"])
     logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
     start = len(sample.response_ids)
+    if params is not None:
+        sample.record_sampling(start, params)
     sample.append(ids, logprobs, from_policy=True)
     sample.record_routing(meta, len(sample.prompt_ids) + start)
     sample.response_text += answer.get("text", "")
@@ -42,5 +48,5 @@ async def single_turn(sample: Sample, ctx: RolloutContext) -> Sample:
     images = {"image_data": [image.ref for image in sample.images]} if sample.images else {}
     answer = await ctx.engine.generate(sample.prompt_ids + sample.response_ids, params, return_logprob=True,
                                        **ctx.generate_options, **images)
-    apply_generate_answer(sample, answer)
+    apply_generate_answer(sample, answer, params)
     return sample

@@ -112,6 +112,7 @@ def _fill(sample: Sample, session: Session, error: str | None) -> None:
     sample.prompt_ids = list(session.prompt_ids)
     sample.response_ids, sample.loss_mask = list(session.response_ids), list(session.loss_mask)
     sample.rollout_logprobs, sample.weight_versions = list(session.logprobs), list(session.weight_versions)
+    sample.sampled_with = list(session.sampled_with)
     sample.images = list(session.images)
     sample.turns, sample.response_text = session.turns, session.last_text
     sample.metadata["tools"] = dict(session.tool_stats)

@@ -53,6 +53,7 @@ from miles.agentic.turns import turn_source
 from miles.agentic.types import Message
 from miles.engine.http_guard import LOOPBACK, POLICY, Policy, Refused, error_answer, guard, json_answer, json_body
 from miles.models.images import ImageProblem, content_text
+from miles.types import SampledWith
 from miles.models.vision import ImageEncoder
 from miles.session.state import Session, running
 from miles.session.openai_api import (
@@ -203,6 +204,7 @@ class SessionServer:
                 session.tools, session.prompt_ids = request.tools, list(prompt.new_ids)
             else:
                 session._append(prompt.new_ids, None, from_policy=False)
+            SampledWith.add(session.sampled_with, len(session.response_ids), params)
             session._append(ids, logprobs, from_policy=True)
             # one per completion; a completion that a weight update landed in (in_place) adds each version
             versions = [int(v) for v in meta.get("output_token_weight_versions") or [meta["weight_version"]]]

@@ -12,6 +12,7 @@ from typing import Any
 from miles.agentic.chat import Conversation
 from miles.agentic.metrics import TOOL_STATS
 from miles.session.openai_api import ApiError, ChatRequest
+from miles.types import SampledWith
 
 __all__ = ["Session", "running"]
 
@@ -30,6 +31,7 @@ class Session:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)  # one per completion
+    sampled_with: list[SampledWith] = field(default_factory=list)  # each completion's sampling parameters
     turns: int = 0
     status: str = "open"  # "truncated": the context is full; "aborted": the engine aborted a generation (ended)
     reason: str = ""

@@ -171,8 +171,10 @@ def miles_registry() -> Registry:
     return make_registry()
 
 
-def make_train_batch(seed: int = 0, rows: int = 6, group_size: int = 3) -> "TrainBatch":
-    """A small GRPO batch of varied lengths over the addition alphabet, advantages filled in."""
+def make_train_batch(seed: int = 0, rows: int = 6, group_size: int = 3,
+                     temperature: float | None = None) -> "TrainBatch":
+    """A small GRPO batch of varied lengths over the addition alphabet, advantages filled in; ``temperature``: the
+    samples were drawn at it (its log-probs are taken at it, ``rollout.logprobs_of: sampling``)."""
     import torch
 
     from miles.builtin.advantages import grpo
@@ -187,7 +189,9 @@ def make_train_batch(seed: int = 0, rows: int = 6, group_size: int = 3) -> "Trai
             response_ids=torch.randint(3, 14, (n,), generator=gen).tolist(), loss_mask=[1] * n,
             rollout_logprobs=[-2.0] * n, reward=float(i % 2),
         ))
-    batch = TrainBatch.from_samples(samples, pad_token_id=0)
+        if temperature is not None:
+            samples[-1].record_sampling(0, {"temperature": temperature})
+    batch = TrainBatch.from_samples(samples, pad_token_id=0, logprobs_of="sampling" if temperature else "model")
     batch.advantages = grpo(batch)
     return batch
 

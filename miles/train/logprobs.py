@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from miles.models.sampling import distribution_logits, scaled_logits
 from miles.train.kernels import LogprobKernel, TorchKernel, select_kernel
+from miles.types import TokenSampling
 
 __all__ = ["token_logprobs", "ChunkedLogprobs", "matmul_dtype", "output_layer", "patched_head"]
 
@@ -26,7 +28,8 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool = False,
                    entropy_grad: bool = False, *, chunk_tokens: int = 0, kernel: LogprobKernel | str | None = None,
-                   inputs: dict[str, torch.Tensor] | None = None, never_generated: list[int] | None = None):
+                   inputs: dict[str, torch.Tensor] | None = None, never_generated: list[int] | None = None,
+                   sampling: TokenSampling | None = None):
     """``[B, L-1]``: column ``t`` is log p(input_ids[:, t+1] | input_ids[:, :t+1]).
 
     Sequences are right-padded, so causal attention alone keeps padding out of every real token's
@@ -42,20 +45,35 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy
     the model's forward (a vision-language model's positions and pixels, :func:`miles.models.vision.row_inputs`).
     ``never_generated``: token ids left out of every distribution (a vision-language model's image tokens, as the
     engine samples without them); a column whose target is one of them (a prompt's image) holds 0, never -inf.
+    ``sampling``: the distribution of each column (its temperature, and top-p/top-k for the truncated one:
+    :mod:`miles.models.sampling`); None: the model's own.
     """
     inputs = inputs or {}
     if chunk_tokens > 0:
         if never_generated:
             raise ValueError("logprob_chunk_tokens: the chunked path cannot leave out a vision-language model's "
                              "image tokens; set backend.logprob_chunk_tokens to 0 for such a model")
-        return _chunked(model, input_ids, with_entropy, entropy_grad, chunk_tokens, kernel, inputs)
+        if sampling is not None and sampling.top_p is not None:
+            raise ValueError("logprob_chunk_tokens: the chunked path cannot truncate the vocabulary by top-p/top-k "
+                             "(rollout.logprobs_of: truncated); set backend.logprob_chunk_tokens to 0")
+        temperature = None if sampling is None else sampling.temperature.to(input_ids.device)
+        return _chunked(model, input_ids, with_entropy, entropy_grad, chunk_tokens, kernel, inputs, temperature)
     logits = model(input_ids=input_ids, **inputs).logits[:, :-1].float()
     if never_generated:
         logits = logits.index_fill(-1, torch.tensor(never_generated, device=logits.device), float("-inf"))
-    targets = input_ids[:, 1:].unsqueeze(-1)
+    targets = input_ids[:, 1:]
+    if sampling is not None:
+        logits = distribution_logits(logits, *sampling.on(logits.device), keep=targets)
+    return _gathered(logits, targets, with_entropy, entropy_grad, masked=bool(never_generated))
+
+
+def _gathered(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, entropy_grad: bool, *,
+              masked: bool = False):
+    """Log-probs of ``targets`` (``[...]``) under ``logits`` (``[..., V]``, float32), and the entropy of each
+    distribution when asked. ``masked``: a target at ``-inf`` (a left-out token) gets 0, never ``-inf``."""
     log_norm = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, targets).squeeze(-1) - log_norm
-    if never_generated:  # an image token's column is never in a loss; -inf there would make 0 * -inf = nan
+    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+    if masked:  # an image token's column is never in a loss; -inf there would make 0 * -inf = nan
         logprobs = logprobs.masked_fill(torch.isneginf(logprobs), 0.0)
     if not with_entropy:
         return logprobs
@@ -66,7 +84,8 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy
 
 
 def _chunked(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool, entropy_grad: bool,
-             chunk_tokens: int, kernel: LogprobKernel | str | None, inputs: dict[str, torch.Tensor]):
+             chunk_tokens: int, kernel: LogprobKernel | str | None, inputs: dict[str, torch.Tensor],
+             temperature: torch.Tensor | None = None):
     if kernel is None:
         kernel = TorchKernel()
     elif isinstance(kernel, str):
@@ -80,7 +99,8 @@ def _chunked(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool
         rows, width = targets.shape
         states = hidden[:, :-1].reshape(rows * width, hidden.shape[-1])
         logprobs, entropy = ChunkedLogprobs.apply(states, head.weight, head.bias, targets.reshape(-1), chunk_tokens,
-                                                   kernel, entropy_grad, matmul_dtype(states, head.weight))
+                                                   kernel, entropy_grad, matmul_dtype(states, head.weight),
+                                                   None if temperature is None else temperature.reshape(-1))
         return torch.stack([logprobs, entropy], dim=-1).view(rows, width, 2)
 
     with patched_head(head, head_forward):
@@ -90,7 +110,6 @@ def _chunked(model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool
         return logprobs
     entropy = packed[..., 1].contiguous()
     return logprobs, entropy if entropy_grad and torch.is_grad_enabled() else entropy.detach()
-
 
 
 def output_layer(model: torch.nn.Module) -> torch.nn.Linear:
@@ -134,31 +153,34 @@ def _cast(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
     return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  dtype: torch.dtype) -> torch.Tensor:
-    return torch.nn.functional.linear(hidden.to(dtype), weight, bias).float().contiguous()
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                  temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 logits of one chunk, at each row's temperature (``[rows]``; None: 1)."""
+    logits = torch.nn.functional.linear(hidden.to(dtype), weight, bias).float()
+    return scaled_logits(logits, temperature).contiguous()
 
 
 class ChunkedLogprobs(torch.autograd.Function):
     """``hidden [N, H]``, ``weight [V, H]``, ``bias [V] | None``, ``targets [N]`` -> log-probs and entropy ``[N]``
-    (float32), ``chunk_tokens`` rows of logits at a time. Saves the inputs and the per-token log-sum-exp and
-    entropy; the backward pass recomputes each chunk's logits, has the kernel turn them into the gradient of
-    the logits, and multiplies that out into the hidden states' and weight's gradients (the weight's summed
-    over chunks in float32)."""
+    (float32), ``chunk_tokens`` rows of logits at a time; ``temperature [N] | None``: each row's (the logits are
+    divided by it, :func:`miles.models.sampling.scaled_logits`). Saves the inputs and the per-token log-sum-exp
+    and entropy; the backward pass recomputes each chunk's logits, has the kernel turn them into the gradient of
+    the logits (divided by the temperature on the way back), and multiplies that out into the hidden states' and
+    weight's gradients (the weight's summed over chunks in float32)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, chunk_tokens: int, kernel: LogprobKernel, entropy_grad: bool,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                dtype: torch.dtype, temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         logprobs, entropy, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
         with torch.autocast(hidden.device.type, enabled=False):
             w, b = _cast(weight, bias, dtype)
             for start in range(0, n, chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
-                logits = _chunk_logits(hidden[rows], w, b, dtype)
+                logits = _chunk_logits(hidden[rows], w, b, dtype, None if temperature is None else temperature[rows])
                 logprobs[rows], entropy[rows], lse[rows] = kernel.forward(logits, targets[rows])
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, temperature)
         ctx.chunk_tokens, ctx.kernel, ctx.dtype = chunk_tokens, kernel, dtype
         ctx.set_materialize_grads(False)
         if not entropy_grad:
@@ -167,7 +189,7 @@ class ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy, temperature = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         n, dtype = hidden.shape[0], ctx.dtype
         if grad_logprobs is None:
@@ -182,9 +204,12 @@ class ChunkedLogprobs(torch.autograd.Function):
             for start in range(0, n, ctx.chunk_tokens):
                 rows = slice(start, start + ctx.chunk_tokens)
                 h = hidden[rows].to(dtype)
-                logits = _chunk_logits(h, w, b, dtype)
+                scale = None if temperature is None else temperature[rows]
+                logits = _chunk_logits(h, w, b, dtype, scale)
                 grad_logits = ctx.kernel.backward(logits, targets[rows], lse[rows], entropy[rows], grad_logprobs[rows],
                                                   None if grad_entropy is None else grad_entropy[rows])
+                if scale is not None:  # the logits the kernel saw were divided by the temperature
+                    grad_logits = scaled_logits(grad_logits, scale)
                 if need_bias:
                     grad_bias += grad_logits.sum(dim=0)
                 grad_logits = grad_logits.to(dtype)
@@ -196,4 +221,4 @@ class ChunkedLogprobs(torch.autograd.Function):
                     grad_weight += (grad_logits.t() @ h).float()
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.lazy import lazy_module
+from miles.models.sampling import distribution_logits
 from miles.train.kernels import LogprobKernel, TorchKernel
+from miles.types import TokenSampling
 
 np = lazy_module("numpy")
 torch = lazy_module("torch")
@@ -104,19 +106,38 @@ class TreePack:
                 "attention_mask": mask}
 
     def logprobs(self, model: torch.nn.Module, input_ids: torch.Tensor, with_entropy: bool = False,
-                 entropy_grad: bool = False, *, chunk_tokens: int = 0, kernel: LogprobKernel | None = None):
+                 entropy_grad: bool = False, *, chunk_tokens: int = 0, kernel: LogprobKernel | None = None,
+                 sampling: TokenSampling | None = None):
         """:func:`miles.train.logprobs.token_logprobs` of the rows ``input_ids`` (``[B, L]``), from one forward of the
-        tree: each distinct (node, next token) pair is one prediction *site*, scored once."""
+        tree: each distinct (node, next token, distribution) triple is one prediction *site*, scored once."""
         device = input_ids.device
         nodes = self.node_of[:, :-1].to(device)
         targets = input_ids[:, 1:]
         vocab = int(targets.max()) + 1
-        sites, inverse = torch.unique((nodes * vocab + targets).reshape(-1), return_inverse=True)
+        keys = nodes * vocab + targets
+        kinds = table = None
+        if sampling is not None:  # rows may take a shared (node, token) under different temperatures
+            params = torch.stack([t.double() for t in sampling.on(device) if t is not None], dim=-1)
+            table, kinds = torch.unique(params.reshape(-1, params.shape[-1]), dim=0, return_inverse=True)
+            keys = keys * len(table) + kinds.view(keys.shape)
+        sites, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
+        distribution = None
+        if table is not None:
+            site_params = table[sites % len(table)]
+            sites = sites // len(table)
+            distribution = (site_params[:, 0].float(), *((site_params[:, 1].float(), site_params[:, 2].long())
+                                                          if site_params.shape[1] == 3 else (None, None)))
         site_nodes, site_targets = sites // vocab, sites % vocab
         inputs = self.model_inputs(model, device)
         if chunk_tokens > 0:
             logprobs, entropy = _chunked_sites(model, inputs, site_nodes, site_targets, chunk_tokens,
-                                               kernel or TorchKernel(), entropy_grad)
+                                               kernel or TorchKernel(), entropy_grad,
+                                               None if distribution is None else distribution[0])
+        elif distribution is not None:
+            logits = model(**inputs).logits.float().flatten(0, 1)  # [T x N, V]
+            site_logits = distribution_logits(logits[site_nodes], *distribution, keep=site_targets)
+            scored = chunked._gathered(site_logits, site_targets, with_entropy, entropy_grad)
+            logprobs, entropy = scored if with_entropy else (scored, None)
         else:
             logits = model(**inputs).logits.float().flatten(0, 1)  # [T x N, V]
             log_norm = torch.logsumexp(logits, dim=-1)
@@ -147,7 +168,8 @@ class TreePack:
 
 
 def _chunked_sites(model: torch.nn.Module, inputs: dict[str, torch.Tensor], site_nodes: torch.Tensor,
-                   site_targets: torch.Tensor, chunk_tokens: int, kernel: LogprobKernel, entropy_grad: bool):
+                   site_targets: torch.Tensor, chunk_tokens: int, kernel: LogprobKernel, entropy_grad: bool,
+                   temperature: torch.Tensor | None = None):
     """Log-probs and entropy ``[sites]`` by the chunked path: the output layer runs on the sites' hidden states only,
     inside the model's forward (as :func:`miles.train.logprobs.token_logprobs` does, for FSDP2's gathered head)."""
     head = chunked.output_layer(model)
@@ -156,7 +178,7 @@ def _chunked_sites(model: torch.nn.Module, inputs: dict[str, torch.Tensor], site
         states = hidden.reshape(-1, hidden.shape[-1])[site_nodes]
         dtype = chunked.matmul_dtype(states, head.weight)
         logprobs, entropy = chunked.ChunkedLogprobs.apply(states, head.weight, head.bias, site_targets, chunk_tokens,
-                                                          kernel, entropy_grad, dtype)
+                                                          kernel, entropy_grad, dtype, temperature)
         return torch.stack([logprobs, entropy], dim=-1)
 
     with chunked.patched_head(head, head_forward):

@@ -109,7 +109,7 @@ class Policy:
         with self._autocast():
             logprobs = logprob_paths.token_logprobs if tree is None else tree.logprobs
             return logprobs(model, input_ids, chunk_tokens=self.options.logprob_chunk_tokens,
-                            kernel=self.logprob_kernel, **kwargs)
+                            kernel=self.logprob_kernel, sampling=micro.sampling, **kwargs)
 
     def _exact_forward(self, model: torch.nn.Module, micro: TrainBatch, with_entropy: bool):
         """``[B, L-1]`` log-probs (and entropy), each row by :func:`miles.models.hf.exact_logprobs` (bit-identical to an
@@ -118,8 +118,10 @@ class Policy:
         pad = int(getattr(model.config, "pad_token_id", None) or 0)
         width = micro.input_ids.shape[1] - 1
         rows = []
-        for ids, n in zip(micro.input_ids, micro.attention_mask.sum(dim=1).tolist()):
-            out = hf.exact_logprobs(model, ids[:n], length=length, pad_token_id=pad, with_entropy=with_entropy)
+        for row, (ids, n) in enumerate(zip(micro.input_ids, micro.attention_mask.sum(dim=1).tolist())):
+            sampling = {} if micro.sampling is None else micro.sampling.row(row, n - 1, self.device)
+            out = hf.exact_logprobs(model, ids[:n], length=length, pad_token_id=pad, with_entropy=with_entropy,
+                                    **sampling)
             parts = out if with_entropy else (out,)
             rows.append([torch.nn.functional.pad(t, (0, width - t.shape[0])) for t in parts])
         if not rows:

@@ -54,3 +54,23 @@ def test_shared_steps_equal_unshared_steps(tiny_model_dir):
     assert (shared[1][0] - shared[1][1])[mask].abs().max() > 1e-4  # the policy moved away from the reference
     for name, weight in unshared[2].items():
         assert (shared[2][name] - weight).abs().max() <= 1e-4, name  # AdamW: lr x float noise at most
+
+
+def test_workers_take_each_token_s_sampling_temperature(tiny_model_dir):
+    """Two workers, shared and unshared: the log-probs at the temperature the samples were drawn with
+    (rollout.logprobs_of) are the torch backend's, and not the temperature-1 ones."""
+    from miles.testing import make_train_batch
+    from miles.train.torch_backend import TorchBackend
+
+    tempered, plain = make_train_batch(seed=3, temperature=0.4), make_train_batch(seed=3)
+    single = TorchBackend()
+    single.setup(str(tiny_model_dir), seed=0)
+    expected, at_one = single.compute_logprobs(tempered), single.compute_logprobs(plain)
+    mask = tempered.loss_mask > 0
+    for share in (True, False):
+        backend = FSDP2Backend(world_size=2, share_prefixes=share, micro_batch_size=2)
+        backend.setup(str(tiny_model_dir), seed=0)
+        got = backend.compute_logprobs(tempered)
+        backend.shutdown()
+        assert (got - expected)[mask].abs().max() <= TOLERANCE
+        assert (got - at_one)[mask].abs().max() > 0.05

@@ -79,3 +79,19 @@ def test_pipeline_and_context_parallel_reach_megatron_then_are_refused(tiny_mode
     with pytest.raises(ConfigError, match=f"backend.{key}={value}: megatron's parallel groups were built, but"):
         backend.setup(str(tiny_model_dir), seed=0)
     assert backend.workers == []
+
+
+def test_tensor_parallel_2_takes_each_token_s_sampling_temperature(tiny_model_dir):
+    """The output layer split over two ranks: the log-probs at the temperature the samples were drawn with
+    (rollout.logprobs_of) are the torch backend's, and not the temperature-1 ones."""
+    tempered, plain = make_train_batch(seed=7, temperature=0.4), make_train_batch(seed=7)
+    torch_backend = TorchBackend()
+    torch_backend.setup(str(tiny_model_dir), seed=0)
+    expected, at_one = torch_backend.compute_logprobs(tempered), torch_backend.compute_logprobs(plain)
+    backend = MegatronBackend(world_size=2, tensor_parallel=2)
+    backend.setup(str(tiny_model_dir), seed=0)
+    got = backend.compute_logprobs(tempered)
+    backend.shutdown()
+    mask = tempered.loss_mask.bool()
+    assert (got - expected)[mask].abs().max() < 1e-5
+    assert (got - at_one)[mask].abs().max() > 0.05

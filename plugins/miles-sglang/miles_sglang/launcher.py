@@ -51,9 +51,13 @@ class SGLangLauncher(SubprocessLauncher):
     ``enable_return_routed_experts``: needed for ``rollout.return_routed_experts`` (default: follows it);
     ``extra_args``: more SGLang flags, passed as given; ``python``: the interpreter with SGLang installed (this
     one by default); ``startup_timeout_s``: how long to wait for ``/health_generate`` (default
-    ``cluster.engine_startup_timeout_s``); ``log_dir``: where the server logs go (a temp folder by default)."""
+    ``cluster.engine_startup_timeout_s``); ``log_dir``: where the server logs go (a temp folder by default);
+    ``logprobs_of`` (``rollout.logprobs_of``): ``sampling``, SGLang's default, reports the sampled tokens'
+    log-probs at the request's temperature; ``model`` starts the server with ``SGLANG_RETURN_ORIGINAL_LOGPROB``
+    (temperature 1). SGLang has no log-probs of the top-p/top-k truncated distribution."""
 
     protocol = "sglang"
+    logprobs_of_choices = ("sampling", "model")
     ready_path = "/health_generate"  # the server answers once it has generated a token
     name = "SGLang server"
 
@@ -61,10 +65,11 @@ class SGLangLauncher(SubprocessLauncher):
                  random_seed: int = 0, enable_memory_saver: bool | None = None,
                  enable_return_routed_experts: bool | None = None, extra_args: list[str] | None = None,
                  python: str | None = None, startup_timeout_s: float | None = None, log_dir: str | None = None,
-                 stop_timeout_s: float = 30.0) -> None:
+                 stop_timeout_s: float = 30.0, logprobs_of: str = "sampling") -> None:
         self.check_args({"tp_size": tp_size, "mem_fraction_static": mem_fraction_static, "dtype": dtype,
                          "random_seed": random_seed, "extra_args": extra_args or [],
-                         "startup_timeout_s": startup_timeout_s})
+                         "startup_timeout_s": startup_timeout_s, "logprobs_of": logprobs_of})
+        self.logprobs_of = logprobs_of
         super().__init__(startup_timeout_s=startup_timeout_s, stop_timeout_s=stop_timeout_s, log_dir=log_dir)
         self._tp_size = tp_size
         self.mem_fraction_static = mem_fraction_static
@@ -99,6 +104,11 @@ class SGLangLauncher(SubprocessLauncher):
             raise ValueError(f"extra_args: {', '.join(taken)} are set by Miles (use the plugin's arguments: "
                              f"tp_size, mem_fraction_static, dtype, random_seed, enable_memory_saver, "
                              f"enable_return_routed_experts)")
+        logprobs_of = args.get("logprobs_of", "sampling")
+        if logprobs_of not in SGLangLauncher.logprobs_of_choices:
+            raise ValueError(f"logprobs_of (rollout.logprobs_of): SGLang reports log-probs at the request's "
+                             f"temperature (sampling) or, with SGLANG_RETURN_ORIGINAL_LOGPROB, the model's own "
+                             f"(model); got {logprobs_of!r}")
         timeout = args.get("startup_timeout_s")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"startup_timeout_s: expected a positive number of seconds or null, got {timeout!r}")
@@ -125,4 +135,6 @@ class SGLangLauncher(SubprocessLauncher):
         # trainer holds the GPU (memory released). Readiness is /health_generate, polled at start.
         return {**super().environment(threads=threads, admin_token=admin_token),
                 "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
+                # the sampled tokens' log-probs before the temperature (rollout.logprobs_of: model)
+                "SGLANG_RETURN_ORIGINAL_LOGPROB": "true" if self.logprobs_of == "model" else "false",
                 "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}

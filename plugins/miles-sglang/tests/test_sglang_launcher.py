@@ -89,9 +89,17 @@ def test_launcher_builds_its_command_and_environment():
     assert is_server_launcher(SGLangLauncher) and not is_server_launcher(object)
 
 
+def test_rollout_logprobs_of_reaches_sglang_as_its_environment_switch():
+    """SGLang reports log-probs at the request's temperature unless SGLANG_RETURN_ORIGINAL_LOGPROB is set."""
+    for logprobs_of, value in (("sampling", "false"), ("model", "true")):
+        env = SGLangLauncher(logprobs_of=logprobs_of).environment(threads=1, admin_token="")
+        assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == value
+
+
 @pytest.mark.parametrize("args, message", [
     ({"tp_size": 0}, "tp_size"), ({"mem_fraction_static": 1.5}, "mem_fraction_static"), ({"dtype": "fp8"}, "dtype"),
     ({"extra_args": ["--port", "1"]}, "--port are set by Miles"), ({"extra_args": "--x"}, "extra_args"),
+    ({"logprobs_of": "truncated"}, "SGLang reports log-probs at the request's temperature"),
 ])
 def test_bad_arguments_are_refused_naming_them(args, message):
     with pytest.raises(ValueError, match=message):
@@ -144,6 +152,29 @@ def test_launch_health_generate_stop(tiny_model_dir, tmp_path):
     finally:
         launcher.stop()
     assert not launcher.alive() and not alive(pid)
+
+
+def test_the_served_engine_reports_the_distribution_the_launcher_names(tiny_model_dir, tmp_path):
+    """``miles engine serve --logprobs-of``: the launcher passes rollout.logprobs_of to the process it starts."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for logprobs_of, temperature in (("model", 1.0), ("sampling", 0.5)):
+        launcher = MilesServerLauncher(log_dir=str(tmp_path), logprobs_of=logprobs_of)
+        url = launcher.start(str(tiny_model_dir), host="127.0.0.1", port=free_port(), admin_token="", threads=1,
+                             timeout_s=120)
+        try:
+            status, answer = call(url, "/generate", {"input_ids": [1, 2, 3], "return_logprob": True,
+                                                      "sampling_params": {"max_new_tokens": 1, "temperature": 0.5}})
+        finally:
+            launcher.stop()
+        assert status == 200 and launcher.argv[launcher.argv.index("--logprobs-of") + 1] == logprobs_of
+        [(logprob, token, _)] = answer["meta_info"]["output_token_logprobs"]
+        import torch
+
+        with torch.no_grad():
+            logits = reference(input_ids=torch.tensor([[1, 2, 3]])).logits[0, -1].float()
+        assert abs(logprob - float((logits / temperature).log_softmax(-1)[token])) < 1e-4
 
 
 class ExitingServer(SubprocessLauncher):

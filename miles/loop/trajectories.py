@@ -5,8 +5,10 @@ groups the step kept, failed samples included, in the step's order:
 
 - ``step``, ``group``, ``index``, ``status``, ``reason``, ``reward`` (a number or the reward's dict), ``label``,
   ``prompt`` (as the data gave it: text or messages), ``response_text`` (what the reward scored), ``turns``,
-  ``weight_versions``, ``tool_calls`` (multi-turn: per call its turn, name, arguments and error) and ``images``
-  (how the engine was sent each image: an absolute path or a data URL);
+  ``weight_versions``, ``tool_calls`` (multi-turn: per call its turn, name, arguments and error), ``images``
+  (how the engine was sent each image: an absolute path or a data URL) and, aligned with it, ``image_files``
+  (where the run keeps a copy of each image file, relative to the run directory: ``trajectories/images/<hash>``,
+  null for a data URL or a file gone by then; the viewer shows only files inside the run directory);
 - ``prompt_tokens`` and ``tokens``: the prompt's and the response's tokens, each as its text (a token that is
   part of a multi-byte character shows as U+FFFD);
 - aligned with ``tokens``: ``loss_mask`` (1: the policy produced it, 0: an observation: a tool's output, the
@@ -22,17 +24,20 @@ The trainer's log-probs cost one more forward pass over these samples (``run.tra
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from miles.types import Group, Sample
 
-__all__ = ["TrajectoryWriter", "DIRECTORY", "trajectory_steps", "read_trajectories"]
+__all__ = ["TrajectoryWriter", "DIRECTORY", "trajectory_steps"]
 
 DIRECTORY = "trajectories"
+IMAGES = "images"  # under DIRECTORY: copies of the image files the samples name
 
 
 def _jsonable(value: Any) -> Any:
@@ -84,10 +89,35 @@ class TrajectoryWriter:
             "reason": sample.reason or "", "reward": sample.reward, "label": sample.label, "prompt": sample.prompt,
             "response_text": sample.response_text, "turns": sample.turns, "weight_versions": sample.weight_versions,
             "tool_calls": sample.metadata.get("tool_calls", []), "images": [image.ref for image in sample.images],
+            "image_files": [self._image_file(image.ref) for image in sample.images],
             "prompt_tokens": self._text(sample.prompt_ids), "tokens": self._text(sample.response_ids),
             "loss_mask": mask, "rollout_logprobs": sample.rollout_logprobs, "train_logprobs": train_logprobs,
             "advantages": advantages, "advantage": mean,
         })
+
+    def _image_file(self, ref: str | None) -> str | None:
+        """A copy, inside the run directory, of the image file ``ref`` names (its path relative to the run directory;
+        a file already inside it is itself): the viewer shows only the run's files, and an environment's temporary
+        file may be gone when someone looks. None for a data URL or a file that cannot be read."""
+        if not ref or ref.startswith("data:"):
+            return None
+        run_dir = self.directory.parent.resolve()
+        try:
+            source = Path(ref.removeprefix("file://")).resolve()
+            if source.is_relative_to(run_dir):
+                return source.relative_to(run_dir).as_posix()
+            content = source.read_bytes()
+        except (OSError, ValueError):  # gone, unreadable, not a path at all
+            return None
+        suffix = source.suffix.lower()
+        name = hashlib.sha256(content).hexdigest()[:32] + (suffix if re.fullmatch(r"\.[a-z0-9]{1,5}", suffix) else "")
+        target = self.directory / IMAGES / name
+        if not target.exists():  # named by its content: an image shown at every step is copied once
+            target.parent.mkdir(parents=True, exist_ok=True)
+            temporary = target.with_name(f"{name}.{os.getpid()}.tmp")
+            temporary.write_bytes(content)
+            os.replace(temporary, target)
+        return f"{DIRECTORY}/{IMAGES}/{name}"
 
     def write(self, step: int, records: list[dict[str, Any]]) -> Path:
         """Write step ``step``'s file atomically (a resumed run writes its steps again)."""
@@ -108,8 +138,3 @@ def trajectory_steps(run_dir: str | Path) -> list[int]:
         return []
     return sorted(int(f.name[5:-6]) for f in directory.glob("step_*.jsonl") if f.name[5:-6].isdigit())
 
-
-def read_trajectories(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
-    path = Path(run_dir) / DIRECTORY / f"step_{step:06d}.jsonl"
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from miles.errors import ConfigError, DataError
-from miles.run.viewer import completions_section, write_viewer
+from miles.loop.trajectories import trajectory_steps
+from miles.run.viewer import RunTrajectories, completions_section, write_viewer
 
 __all__ = ["PLOTS", "Plot", "Report", "write_report"]
 
@@ -255,8 +256,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
             ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
         report.plots[plot.name] = out / f"{plot.name}.png"
         figure.savefig(report.plots[plot.name])
-    report.trajectories = write_viewer(run_dir, out / "trajectories", back="../index.html")
-    report.index.write_text(_index_html(run_dir, metrics, summary, report), encoding="utf-8")
+    trajectories = RunTrajectories(run_dir, "miles report") if trajectory_steps(run_dir) else None
+    if trajectories is not None:
+        report.trajectories = write_viewer(trajectories, out / "trajectories", back="../index.html")
+    report.index.write_text(_index_html(run_dir, metrics, summary, report, trajectories), encoding="utf-8")
     return report
 
 
@@ -286,7 +289,8 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _index_html(run_dir: Path, metrics: Metrics, summary: dict[str, Any], report: Report) -> str:
+def _index_html(run_dir: Path, metrics: Metrics, summary: dict[str, Any], report: Report,
+                trajectories: RunTrajectories | None) -> str:
     e = html.escape
     steps = sorted({row["step"] for row in metrics.rows if any(not k.startswith("eval/") for k in row if k != "step")})
     parts = [f"<!doctype html>\n<html><head><meta charset='utf-8'><title>Miles run {e(run_dir.name)}</title>",
@@ -310,6 +314,6 @@ def _index_html(run_dir: Path, metrics: Metrics, summary: dict[str, Any], report
     if report.skipped:
         parts.append("<h2>Skipped plots</h2><ul>" + "".join(
             f"<li><b>{e(name)}</b>: {e(why)}</li>" for name, why in report.skipped.items()) + "</ul>")
-    parts.append(completions_section(run_dir, report.trajectories))
+    parts.append(completions_section(trajectories))
     parts.append("</body></html>\n")
     return "\n".join(parts)

@@ -20,18 +20,33 @@
     return node;
   }
 
+  // The page's data holds a NaN or an infinity as the string JavaScript spells it (JSON has no such number).
+  const NONFINITE = new Set(["NaN", "Infinity", "-Infinity"]);
   function num(x) { return typeof x === "number" && isFinite(x) ? x : null; }
   function fmt(x) {
+    if (NONFINITE.has(x)) return x;
     x = num(x);
     if (x === null) return "—";
     return Number.isInteger(x) ? String(x) : String(Number(x.toPrecision(4)));
   }
-  function rewardOf(sample) {
+  function rewardRaw(sample) {
     const r = sample.reward;
-    return r !== null && typeof r === "object" ? num(r.score) : num(r);
+    return r !== null && typeof r === "object" ? r.score : r;
   }
+  function rewardOf(sample) { return num(rewardRaw(sample)); }
   function rewardText(r) {
     return r !== null && typeof r === "object" ? fmt(r.score) + "  " + JSON.stringify(r) : fmt(r);
+  }
+
+  // What a step file holds that is not a sample: each named by file and line; the samples around it are shown.
+  function unreadableItems(source, list, count) {
+    const items = list.map((u) => el("li", {}, (u.line === null ? source : `${source}, line ${u.line}`) + ": " + u.why));
+    if (count > list.length) items.push(el("li", {}, `${source}: and ${count - list.length} more`));
+    return items;
+  }
+  function unreadableNotice(items) {
+    return el("div", {id: "unreadable", class: "error"},
+      el("p", {}, "Not shown: what cannot be read (every other sample is shown)."), el("ul", {}, items));
   }
 
   // ----- the index: one row per step --------------------------------------------------------------------------
@@ -41,15 +56,19 @@
     app.append(el("h1", {}, "Trajectories of ", el("code", {text: data.run})));
     app.append(el("p", {class: "note"}, `${data.steps.length} step(s), the first groups of each ` +
       "(run.trajectories). Mean reward: of the samples shown." + (data.live ? " Reload for the steps written since." : "")));
+    const bad = data.steps.filter((s) => s.unreadable_count);
+    if (bad.length) app.append(unreadableNotice(bad.flatMap((s) => unreadableItems(s.source, s.unreadable, s.unreadable_count))));
     const rows = data.steps.map((s) => el("tr", {},
       el("td", {}, el("a", {href: s.file, class: "step-link"}, "step " + s.step)),
       el("td", {class: "num"}, String(s.samples)),
       el("td", {class: "num mean-reward"}, fmt(s.mean_reward)),
       el("td", {class: "num"}, String(s.failed)),
-      el("td", {class: "num"}, fmt(s.mean_length))));
+      el("td", {class: "num"}, fmt(s.mean_length)),
+      el("td", {class: "num"}, String(s.pages)),
+      el("td", {class: "num unreadable-count"}, s.unreadable_count ? String(s.unreadable_count) : "")));
     app.append(el("table", {id: "steps"},
-      el("thead", {}, el("tr", {}, ["step", "samples", "mean reward", "failed", "mean response tokens"]
-        .map((h) => el("th", {}, h)))),
+      el("thead", {}, el("tr", {}, ["step", "samples", "mean reward", "failed", "mean response tokens", "pages",
+        "unreadable lines"].map((h) => el("th", {}, h)))),
       el("tbody", {}, rows)));
   }
 
@@ -67,6 +86,8 @@
       data.prev ? el("a", {href: data.prev, id: "prev"}, "← step " + data.prev_step) : null,
       data.next ? el("a", {href: data.next, id: "next"}, "step " + data.next_step + " →") : null));
     app.append(el("h1", {}, `Step ${data.step} `, el("small", {}, el("code", {text: data.run}))));
+    if (data.pages.length > 1) app.append(pager());
+    if (data.unreadable_count) app.append(unreadableNotice(unreadableItems(data.source, data.unreadable, data.unreadable_count)));
     const statuses = [...new Set(data.samples.map((s) => s.status))].sort();
     const input = (id, label) => el("label", {}, label + " ",
       el("input", {id, type: "number", step: "any", size: 6, oninput: renderList}));
@@ -90,6 +111,26 @@
     showFromHash();
   }
 
+  // The step's pages: each shows some of its samples (miles/run/viewer.py, PAGE_SAMPLES); the first, the last and
+  // those near this one are linked.
+  function pager() {
+    const n = data.page_number, last = data.pages.length;
+    const link = (number, text, id) => el("a", {href: data.pages[number - 1][0], class: "page-link", id}, text);
+    const parts = [n > 1 ? link(n - 1, "← page " + (n - 1), "prev-page") : null];
+    let gap = false;
+    for (let number = 1; number <= last; number++) {
+      if (number === 1 || number === last || Math.abs(number - n) <= 3) {
+        parts.push(number === n ? el("b", {class: "current-page"}, String(number)) : link(number, String(number)));
+        gap = false;
+      } else if (!gap) {
+        parts.push(el("span", {}, "…"));
+        gap = true;
+      }
+    }
+    parts.push(n < last ? link(n + 1, "page " + (n + 1) + " →", "next-page") : null);
+    return el("nav", {id: "pager"}, `page ${n} of ${last}: `, parts);
+  }
+
   function bound(id) {
     const value = document.getElementById(id).value;
     return value === "" ? null : Number(value);
@@ -99,7 +140,7 @@
     const rMin = bound("f-reward-min"), rMax = bound("f-reward-max");
     const lMin = bound("f-len-min"), lMax = bound("f-len-max");
     const status = document.getElementById("f-status").value;
-    let shown = data.samples.map((s, position) => [s, position]).filter(([s]) => {
+    let shown = data.samples.map((s, i) => [s, data.first + i]).filter(([s]) => {
       const reward = rewardOf(s), length = s.tokens.length;
       if ((rMin !== null || rMax !== null) && reward === null) return false;
       return (rMin === null || reward >= rMin) && (rMax === null || reward <= rMax) &&
@@ -120,28 +161,39 @@
     },
       el("td", {}, el("a", {href: "#sample-" + position}, String(s.group))),
       el("td", {class: "num"}, String(s.index)),
-      el("td", {class: "num"}, fmt(rewardOf(s))),
+      el("td", {class: "num"}, fmt(rewardRaw(s))),
       el("td", {class: "status-" + s.status}, s.status),
       el("td", {}, s.reason || ""),
       el("td", {class: "num"}, fmt(s.turns)),
       el("td", {class: "num"}, String(s.tokens.length)),
       el("td", {class: "num"}, fmt(s.advantage)))));
-    document.getElementById("count").textContent = `${shown.length} of ${data.samples.length} samples`;
+    const count = `${shown.length} of ${data.samples.length} samples`;
+    document.getElementById("count").textContent = data.pages.length === 1 ? count : count + " on this page " +
+      `(samples ${data.first + 1} to ${data.first + data.samples.length} of the step's ${data.total})`;
   }
 
-  function selectedPosition() {
+  // #sample-N: the N-th sample of the step's file (from 0), on whichever page holds it.
+  function hashPosition() {
     const match = /^#sample-(\d+)$/.exec(location.hash);
-    return match && Number(match[1]) < data.samples.length ? Number(match[1]) : null;
+    return match ? Number(match[1]) : null;
+  }
+  function selectedPosition() {
+    const position = hashPosition();
+    return position !== null && position >= data.first && position < data.first + data.samples.length ? position : null;
   }
 
   function showFromHash() {
     const position = selectedPosition();
+    const wanted = hashPosition();
+    const other = position === null && wanted !== null &&
+      data.pages.find(([, first, count]) => wanted >= first && wanted < first + count);
+    if (other) return location.replace(other[0] + location.hash);
     for (const row of document.querySelectorAll("#samples tr.sample")) {
       row.classList.toggle("selected", Number(row.dataset.position) === position);
     }
     const box = document.getElementById("detail");
     box.replaceChildren();
-    if (position !== null) renderDetail(box, data.samples[position]);
+    if (position !== null) renderDetail(box, data.samples[position - data.first]);
   }
 
   // Log-prob gap |train - rollout| on a log scale: below 1e-4 white, 1 and above deep red.
@@ -162,14 +214,13 @@
     const tokens = el("div", {id: "tokens", class: "tokens"});
     s.tokens.forEach((token, i) => {
       const policy = s.loss_mask[i] === 1;
-      const rollout = s.rollout_logprobs ? num(s.rollout_logprobs[i]) : null;
-      const train = s.train_logprobs ? num(s.train_logprobs[i]) : null;
-      const advantage = s.advantages ? num(s.advantages[i]) : null;
+      const at = (list) => Array.isArray(list) ? list[i] : null;
+      const rollout = num(at(s.rollout_logprobs)), train = num(at(s.train_logprobs));
       const gap = policy && rollout !== null && train !== null ? Math.abs(train - rollout) : null;
       const title = [`token ${i}: ${JSON.stringify(token)}`,
         policy ? "policy token (loss mask 1)" : "observation (loss mask 0: not trained on)",
-        `rollout log-prob: ${fmt(policy ? rollout : null)}`, `train log-prob: ${fmt(train)}`,
-        `|train - rollout|: ${gap === null ? "—" : gap.toExponential(2)}`, `advantage: ${fmt(advantage)}`];
+        `rollout log-prob: ${fmt(policy ? at(s.rollout_logprobs) : null)}`, `train log-prob: ${fmt(at(s.train_logprobs))}`,
+        `|train - rollout|: ${gap === null ? "—" : gap.toExponential(2)}`, `advantage: ${fmt(at(s.advantages))}`];
       const span = el("span", {class: policy ? "tok pol" : "tok obs", title: title.join("\n")}, tokenText(token));
       if (gap !== null) {
         span.style.setProperty("--gap", gapColour(gap));
@@ -260,7 +311,7 @@
       box.append(el("h3", {}, `Images (${s.images.length})`), el("div", {id: "images"}, s.images.map((image, i) =>
         image.src ? el("figure", {}, el("img", {src: image.src, alt: "image " + (i + 1), title: image.ref, class: "sample-image"}),
           el("figcaption", {}, image.ref))
-          : el("p", {class: "error"}, "image not found: " + image.ref))));
+          : el("p", {class: "error image-refused"}, `image not shown: ${image.ref} (${image.why})`))));
     }
   }
 

@@ -1,14 +1,14 @@
 """``miles view RUN_DIR``: the trajectory viewer (:mod:`miles.run.viewer`) over HTTP, on this machine by default.
 
 Each page is made at its request from the files as they are then, so a run still being written shows its new
-steps on reload. Besides the pages, the server gives out only the image files that the run's trajectories name
-(``image?path=``, the path exactly as a file holds it); any other path is 404. Bound to a loopback address, it
-answers only requests addressed to a loopback name (a web page elsewhere cannot read it by rebinding its name).
+steps on reload. Besides the pages, the server gives out only image files inside the run directory
+(``image?path=``, relative to it; :func:`miles.run.viewer.run_image` decides at each request, symlinks followed):
+any other path is 404, the same answer whether or not such a file exists. Bound to a loopback address, it answers
+only requests addressed to a loopback name (a web page elsewhere cannot read it by rebinding its name).
 """
 
 from __future__ import annotations
 
-import mimetypes
 import re
 import socket
 from http import HTTPStatus
@@ -17,17 +17,12 @@ from pathlib import Path
 from urllib.parse import parse_qs, quote, urlsplit
 
 from miles.errors import ConfigError
-from miles.run.viewer import RunTrajectories, index_page, step_page
+from miles.run.viewer import ImageRefused, RunTrajectories, index_page, run_image, step_file, step_page
 
-__all__ = ["serve", "image_url"]
+__all__ = ["serve"]
 
-_STEP_PAGE = re.compile(r"/step_(\d+)\.html")
+_STEP_PAGE = re.compile(r"/step_(\d{1,12})(?:_page(\d{1,12}))?\.html")
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
-
-
-def image_url(ref: str) -> str:
-    """Where a served page finds an image: a data URL is its own, a file comes from the server."""
-    return ref if ref.startswith("data:") else "image?path=" + quote(ref, safe="")
 
 
 def _host_name(header: str) -> str:
@@ -58,29 +53,33 @@ class _Handler(BaseHTTPRequestHandler):
         if self.loopback and _host_name(self.headers.get("Host", "")).lower() not in _LOOPBACK_NAMES:
             return self._send(HTTPStatus.FORBIDDEN, b"miles view answers requests to a loopback name only\n")
         url = urlsplit(self.path)
+        body: str | None = None
         try:
             if url.path in ("/", "/index.html"):
                 body = index_page(self.trajectories, live=True)
-            elif (match := _STEP_PAGE.fullmatch(url.path)) and int(match[1]) in self.trajectories.steps():
-                body = step_page(self.trajectories, int(match[1]), image_url)
+            elif match := _STEP_PAGE.fullmatch(url.path):
+                step, page = int(match[1]), int(match[2] or 1)
+                if url.path[1:] == step_file(step, page):  # one name per page
+                    body = step_page(self.trajectories, step, page, self._image_src)
             elif url.path == "/image":
                 return self._image(parse_qs(url.query).get("path", [""])[0])
-            else:
-                return self._send(HTTPStatus.NOT_FOUND, b"not found\n")
-        except (OSError, ValueError) as exc:  # a file removed or rewritten meanwhile, a line that is not JSON
-            return self._send(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}\n".encode())
+        except OSError as exc:  # a step file this user may not read or that went away meanwhile: named
+            return self._send(HTTPStatus.INTERNAL_SERVER_ERROR, f"{exc}\n".encode())
+        if body is None:
+            return self._send(HTTPStatus.NOT_FOUND, b"not found\n")
         self._send(HTTPStatus.OK, body.encode("utf-8"), "text/html; charset=utf-8")
 
-    def _image(self, ref: str) -> None:
-        if not ref or ref not in self.trajectories.image_paths():
-            return self._send(HTTPStatus.NOT_FOUND, b"not an image this run's trajectories name\n")
-        path = Path(ref.removeprefix("file://"))
+    def _image_src(self, path: Path, kind: str) -> str:
+        """Where a served page finds an image file of the run: here, by its path in the run directory."""
+        return "image?path=" + quote(path.relative_to(self.trajectories.root).as_posix(), safe="")
+
+    def _image(self, name: str) -> None:
         try:
+            path, kind = run_image(self.trajectories.root, name)
             content = path.read_bytes()
-        except OSError:
-            return self._send(HTTPStatus.NOT_FOUND, b"the image file is gone\n")
-        kind = mimetypes.guess_type(path.name)[0] or ""
-        self._send(HTTPStatus.OK, content, kind if kind.startswith("image/") else "application/octet-stream")
+        except (ImageRefused, OSError):  # one answer for every refusal: it tells nothing of the files outside
+            return self._send(HTTPStatus.NOT_FOUND, b"not an image file of this run\n")
+        self._send(HTTPStatus.OK, content, kind)
 
 
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0) -> None:

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from miles.types import Group
 
 __all__ = ["hookspec", "Register", "takes_option", "ChecksArgs", "NeedsLabel", "NeedsValues", "LossDefaults",
-           "NeedsRefLogprobs", "ClosingRolloutFn", "BackgroundEngine", "LoraEngine", "LogprobsOfEngine", "ServerLauncher",
-           "is_server_launcher", "ProtocolLauncher", "MemorySaverLauncher", "RoutedExpertsLauncher",
+           "NeedsRefLogprobs", "ClosingRolloutFn", "BackgroundEngine", "LoraEngine", "LogprobsOfEngine",
+           "ServerLauncher", "is_server_launcher", "ProtocolLauncher", "MemorySaverLauncher", "RoutedExpertsLauncher",
            "DescribedSandbox", "CheckedSandbox", "HostedSandbox", "RayBackend", "uses_ray", "ClosingTransport",
            "DiskTransportSwitch", "ReportingTransport", "SnapshotTransport", "RewindableLogger"]
 

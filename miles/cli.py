@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from miles import __version__, interrupts
+from miles.engine.router_cli import add_router_commands
 from miles.errors import ConfigError, MilesError, RunError, disk_problem
 from miles.interrupts import Terminated
 
@@ -217,13 +218,18 @@ def _cmd_chat_format_check(args: argparse.Namespace) -> int:
         fmt, line = resolve(formats, args.chat_format, tokenizer)
         if fmt is None:
             raise ValueError(f"{line}; name one with --chat-format ({', '.join(formats)})")
-        bound = bind(fmt, tokenizer, template=template, template_kwargs=kwargs,
-                     eos_ids=generation_eos_ids(args.path) if args.path else (),
-                     build_parser=lambda kind, name: registry.build(kind, {"name": name}, f"chat format {fmt.name}"))
+        options = dict(template_kwargs=kwargs, eos_ids=generation_eos_ids(args.path) if args.path else (),
+                       build_parser=lambda kind, name: registry.build(kind, {"name": name}, f"chat format {fmt.name}"))
+        bound = bind(fmt, tokenizer, template=template, **options)
+        # the turns as a model of the family writes them: its training template's layout (else the tokenizer's own)
+        model = bind(fmt, tokenizer, **options) if template else bound
     except (KeyError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
     print(line)
-    results = check_format(bound)
+    if model is not bound:
+        source = f"the shipped template {fmt.template!r}" if fmt.template else "the tokenizer's own template"
+        print(f"turns generated as {source} writes them; rendered with --chat-template {args.chat_template}")
+    results = check_format(bound, model=model)
     width = max(len(r.scenario) for r in results)
     for r in results:
         status = f"skipped ({r.skipped})" if r.skipped else "exact" if r.exact else f"MISMATCH {r.detail}"
@@ -233,14 +239,6 @@ def _cmd_chat_format_check(args: argparse.Namespace) -> int:
     bad = [r.scenario for r in results if not r.ok]
     print(f"{len(results) - len(bad)} of {len(results)} scenarios exact" + (f"; not: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0
-
-
-def _cmd_router_serve(args: argparse.Namespace) -> int:
-    from miles.engine.router_server import serve_router
-
-    serve_router(args.engine, host=args.host, port=args.port, health_interval_s=args.health_interval_s,
-                 max_failures=args.max_failures, max_retries=args.max_retries)
-    return 0
 
 
 def _cmd_sandbox_gc(args: argparse.Namespace) -> int:
@@ -399,16 +397,7 @@ def _parser() -> argparse.ArgumentParser:
     new_plugin.add_argument("--dir", default=".", metavar="PARENT", help="where to write NAME/ (default: here)")
     new_plugin.set_defaults(func=_cmd_new)
 
-    router = sub.add_parser("router", help="the router in front of engines")
-    router_sub = router.add_subparsers(dest="router_command", required=True)
-    rserve = router_sub.add_parser("serve", help="serve one address in front of N SGLang-compatible engines")
-    rserve.add_argument("--engine", action="append", required=True, help="an engine URL (repeat for each)")
-    rserve.add_argument("--host", default="127.0.0.1")
-    rserve.add_argument("--port", type=int, default=30100)
-    rserve.add_argument("--health-interval-s", type=float, default=1.0)
-    rserve.add_argument("--max-failures", type=int, default=3)
-    rserve.add_argument("--max-retries", type=int, default=3)
-    rserve.set_defaults(func=_cmd_router_serve)
+    add_router_commands(sub)
     return parser
 
 

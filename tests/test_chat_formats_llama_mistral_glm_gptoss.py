@@ -8,7 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from miles.agentic.chat import Conversation
+from miles.agentic.chat import Conversation, NotAppendOnly
 from miles.agentic.chat_check import TOOLS, check_format
 from miles.agentic.chat_format import bind, detect, is_alnum9
 from miles.agentic.formats import glm, gpt_oss, llama, mistral
@@ -225,7 +225,7 @@ def test_glm_boundary_after_a_next_role_token_does_not_repeat_it(bound):
     # the model ends a turn by generating the next role token: <|observation|> after calls, <|user|> after an answer
     turn = conversation.encode(_generated(b, list(conversation.messages), call) + "<|observation|>")
     ids += turn
-    conversation.add_policy_turn(call, turn[-1])
+    conversation.add_policy_turn(call, turn)
     suffix = conversation.extend([{"role": "tool", "content": "sunny"}])
     assert observation not in suffix
     assert (tokenizer.decode(suffix, skip_special_tokens=False)
@@ -234,7 +234,7 @@ def test_glm_boundary_after_a_next_role_token_does_not_repeat_it(bound):
     answer = {"role": "assistant", "content": "It is sunny.", "reasoning_content": "Done."}
     turn = conversation.encode(_generated(b, list(conversation.messages), answer) + "<|user|>")
     ids += turn
-    conversation.add_policy_turn(answer, turn[-1])
+    conversation.add_policy_turn(answer, turn)
     suffix = conversation.extend([{"role": "user", "content": "And in Rome?"}])
     assert user not in suffix
     ids += suffix
@@ -243,13 +243,17 @@ def test_glm_boundary_after_a_next_role_token_does_not_repeat_it(bound):
     assert ids.count(observation) == 1 and ids.count(user) == 2
 
 
-def test_glm_turn_ended_by_eos_gets_the_next_role_token_in_the_suffix(bound):
+def test_glm_turn_ended_by_eos_is_a_mismatch_named_with_both_tokens(bound):
+    """GLM's template renders an answer followed by the next role token, never by <|endoftext|>: a turn the model ended
+    with EOS differs from what a deployed model is given, and says so."""
     b = bound["glm45"]
     conversation = Conversation(b, HEAD, TOOLS)
     answer = {"role": "assistant", "content": "It is sunny."}
-    conversation.add_policy_turn(answer, b.tokenizer.convert_tokens_to_ids("<|endoftext|>"))
-    suffix = conversation.extend([{"role": "user", "content": "And in Rome?"}])
-    assert b.tokenizer.decode(suffix, skip_special_tokens=False) == "<|user|>\nAnd in Rome?<|assistant|>"
+    turn = conversation.encode(_generated(b, HEAD, answer).removesuffix("<|user|>") + "<|endoftext|>")
+    conversation.add_policy_turn(answer, turn)
+    with pytest.raises(NotAppendOnly, match=r"message 2 \(assistant, as the policy generated it\) at token \d+: "
+                                            r"'<\|endoftext\|>' became '<\|user\|>'"):
+        conversation.extend([{"role": "user", "content": "And in Rome?"}])
 
 
 def test_llama_renders_tool_results_as_ipython_and_parallel_calls_one_per_line(bound):
@@ -268,14 +272,21 @@ def test_llama_renders_tool_results_as_ipython_and_parallel_calls_one_per_line(b
     assert "Environment: ipython\n" in text and "Given the following functions" in text
 
 
-def test_llama_turn_ended_by_eom_joins_after_the_histories_eot(bound):
-    """A call turn the model ended with <|eom_id|> (ipython mode) is rendered closed by <|eot_id|>; the result's
-    tokens start right after it, so the trajectory keeps the generated <|eom_id|> and nothing is repeated."""
+def test_llama_turn_ended_by_eom_is_a_mismatch_and_one_ended_by_eot_is_exact(bound):
+    """The template closes a call turn with <|eot_id|>; a turn the model ended with <|eom_id|> (ipython mode) holds
+    another token than a deployed model is given there, and is reported; ended by <|eot_id|>, the result's tokens
+    follow it."""
     b = bound["llama3"]
-    conversation = Conversation(b, HEAD, TOOLS)
     call = {"role": "assistant", "content": "",
             "tool_calls": [b.format.message_call(ToolCall("get_weather", {"city": "Paris"}))]}
-    conversation.add_policy_turn(call, b.tokenizer.convert_tokens_to_ids("<|eom_id|>"))
+    text = _generated(b, HEAD, call)
+    assert text.endswith("<|eot_id|>")
+    conversation = Conversation(b, HEAD, TOOLS)
+    conversation.add_policy_turn(call, conversation.encode(text.removesuffix("<|eot_id|>") + "<|eom_id|>"))
+    with pytest.raises(NotAppendOnly, match="'<\\|eom_id\\|>' became '<\\|eot_id\\|>'"):
+        conversation.extend([{"role": "tool", "content": "sunny"}])
+    conversation = Conversation(b, HEAD, TOOLS)
+    conversation.add_policy_turn(call, conversation.encode(text))
     suffix = conversation.extend([{"role": "tool", "content": "sunny"}])
     assert b.tokenizer.decode(suffix, skip_special_tokens=False) == (
         "<|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")

@@ -74,8 +74,8 @@ def test_a_template_that_rewrites_earlier_turns_is_detected(tokenizer):
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     conversation = Conversation(tokenizer, [{"role": "user", "content": "hi"}])
     conversation.add_policy_turn({"role": "assistant", "content": "hello"})
-    with pytest.raises(NotAppendOnly, match=r"after policy turn 1: .* changed the rendering of message 1 \(assistant\) "
-                                            r"at token 21: 'h' became '\.'") as caught:
+    with pytest.raises(NotAppendOnly, match=r"after policy turn 1 changed the rendering of message 1 \(assistant, "
+                                            r"as the policy generated it\) at token 21: 'h' became '\.'") as caught:
         conversation.extend([{"role": "user", "content": "again"}])
     assert (caught.value.message_index, caught.value.token_index) == (1, 21)
 

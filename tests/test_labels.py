@@ -168,6 +168,12 @@ def test_check_labels_names_the_file_the_key_the_reward_and_the_lines():
                                         r"'label': it is an object \(\{\"x\": 1\}\); expected a string or a number "
                                         r"\(lines 6, 8 too\)$"):
         check_labels(prompts("2", {"x": 1}, [1], True, lines=[1, 5, 6, 8]), "t.jsonl", "label", need)
+    with pytest.raises(Exception, match=r"^data file 't.jsonl': line 3 \(1 of 4 rows\) has no 'label' "
+                                        r"\(data.label_key; missing, null or empty\), which reward 'exact_match' "
+                                        r"needs; and line 5: reward 'exact_match' cannot use its 'label': it is an "
+                                        r"object \(\{\"x\": 1\}\); expected a string or a number \(line 8 too\)\. "
+                                        r"Add or correct the labels, or remove those rows$"):
+        check_labels(prompts("2", {"x": 1}, None, [1], lines=[1, 5, 3, 8]), "t.jsonl", "label", need)
     check_labels(prompts("2", 3, 4.5), "t.jsonl", "label", need)  # strings and numbers mixed: all comparable
     many = prompts(*([None] * 25 + ["1"]))
     with pytest.raises(Exception, match=r"lines 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, \.\.\. \(25 in all\) \(25 of 26 rows\)"):
@@ -194,6 +200,12 @@ def config_check(capsys, tmp_path, path, *overrides):
      "needs"),
     ([{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": {"value": 4}}],
      "line 2: reward 'exact_match' cannot use its 'label': it is an object ({\"value\": 4})"),
+    # both kinds in one file: one run names every row to fix
+    ([{"prompt": "1+1=", "label": [3]}, {"prompt": "2+2="}, {"prompt": "3+3=", "label": True},
+      {"prompt": "4+4=", "label": ""}],
+     "lines 2, 4 (2 of 4 rows) have no 'label' (data.label_key; missing, null or empty), which reward 'exact_match' "
+     "needs; and line 1: reward 'exact_match' cannot use its 'label': it is a list ([3]); expected a string or a "
+     "number (line 3 too). Add or correct the labels, or remove those rows"),
 ])
 def test_data_a_reward_cannot_score_is_refused_at_start(capsys, tmp_path, rows, expected):
     path = write_jsonl(tmp_path / "train.jsonl", rows)

@@ -135,12 +135,14 @@ def add(a: int, b: int) -> int:
 
 
 def test_tool_calls_run_and_bad_ones_come_back_as_counted_errors(engine):
+    # turns as a model trained on the template writes them (its layout exactly): a trajectory is the template's
+    # rendering, a turn whose call cannot be read included (as text, as a server gives such a turn back)
     policy = ScriptedPolicy(engine, [
-        '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}</tool_call>',  # malformed JSON
-        '<tool_call>{"name": "mul", "arguments": {"a": 2, "b": 3}}</tool_call>',  # unknown tool
-        '<tool_call>{"name": "add", "arguments": {"a": "2", "b": 3}}</tool_call>',  # wrong type
-        'Two calls:<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
-        '<tool_call>{"name": "add", "arguments": {"a": 4, "b": 5}}</tool_call>',
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}\n</tool_call>',  # malformed JSON
+        '<tool_call>\n{"name": "mul", "arguments": {"a": 2, "b": 3}}\n</tool_call>',  # unknown tool
+        '<tool_call>\n{"name": "add", "arguments": {"a": "2", "b": 3}}\n</tool_call>',  # wrong type
+        'Two calls:\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+        '\n<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call>',
         "5 and 9",
     ])
     ctx = _ctx(engine, lambda c: ToolEnv(c, tools=["add"]))

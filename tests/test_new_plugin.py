@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from miles.cli import main
-from miles.scaffold import KINDS
+from miles.scaffold import KINDS, MAX_NAME_CHARS
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a plugin package may import from Miles (docs/plugins.md), besides the standard library, pytest and itself.
@@ -123,6 +123,26 @@ def test_a_bad_or_taken_name_is_refused_and_nothing_written(name, kind, message,
     assert main(["new", "plugin", "--kind", kind, "--dir", str(tmp_path), "--", name]) == 2
     assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_name_too_long_for_a_file_system_is_refused_naming_the_limit(tmp_path, capsys):
+    name = "a" + "b" * 299
+    assert main(["new", "plugin", name, "--kind", "reward", "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"plugin name {name[:20]}... (300 characters): expected at most {MAX_NAME_CHARS} characters" in err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+    longest = "a" * MAX_NAME_CHARS
+    assert main(["new", "plugin", longest, "--kind", "reward", "--dir", str(tmp_path)]) == 0
+    assert (tmp_path / longest / longest / "plugin.py").is_file()
+
+
+def test_a_folder_that_cannot_be_written_is_refused_naming_it(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    where = tmp_path / "notes.txt" / "plugins"  # below a file: no folder can be made there
+    assert main(["new", "plugin", "unwritten-reward", "--kind", "reward", "--dir", str(where)]) == 2
+    err = capsys.readouterr().err
+    assert f"--dir {where}: cannot write the package there (Not a directory); nothing was written" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 def test_names_of_installed_plugins_are_refused(packages, miles_cli, tmp_path):

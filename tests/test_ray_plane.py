@@ -7,6 +7,7 @@ import select
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -67,9 +68,10 @@ class EngineKiller:
                     await router.post(router.engines[0], "/pause_generation", {})  # hold its requests in flight
                     asyncio.get_running_loop().call_later(0.3, self.kill, router)
                 if step == self.last_step:
-                    for _ in range(600):
-                        if not any(e.quarantined for e in router.engines):
-                            break
+                    # Ray's restart and the catch-up take what a loaded 2-core machine gives them: the bound is
+                    # only there to fail a run whose engine never comes back instead of hanging the suite
+                    deadline = time.monotonic() + 900
+                    while any(e.quarantined for e in router.engines) and time.monotonic() < deadline:
                         await asyncio.sleep(0.1)
                     self.report["versions_before_last_step"] = [e.weight_version for e in router.engines]
             return await single_turn(sample, ctx)

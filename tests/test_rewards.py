@@ -32,6 +32,46 @@ def test_plain_reward_and_failures_per_sample():
     assert samples[3].status is SampleStatus.FAILED and "without a 'score' entry" in samples[3].reason
 
 
+class LoudReward:
+    """Returns the number the label holds."""
+
+    @miles.hookimpl
+    def miles_register_rewards(self, register):
+        register("loud", lambda sample: float(sample.label))
+
+
+@pytest.mark.parametrize("local_mode", ["false", "true"])  # a time limit's wrapper, or none (cluster.local_mode)
+def test_a_reward_beyond_reward_max_abs_fails_its_sample_naming_the_reward_and_the_bound(tmp_path, local_mode):
+    def scored(*overrides):
+        p = prepare("configs/quickstart.yaml", [f"run.dir={tmp_path}", "reward.name=loud",
+                                                f"cluster.local_mode={local_mode}", *overrides],
+                    extra_plugins=[("loud", LoudReward())])
+        samples = [make_sample("", label) for label in ("1e6", "-1000000.5", "1e308", "-inf")]
+        score_samples(samples, p.build("reward", "reward"))
+        return [s.reason if s.status is SampleStatus.FAILED else s.reward for s in samples]
+
+    assert scored() == [1e6, "reward: reward 'loud' returned -1000000.5, beyond reward.max_abs=1e+06 (a reward that "
+                             "large overflows the advantages and the loss; raise reward.max_abs if it is meant)",
+                        "reward: reward 'loud' returned 1e+308, beyond reward.max_abs=1e+06 (a reward that large "
+                        "overflows the advantages and the loss; raise reward.max_abs if it is meant)",
+                        "reward: reward 'loud' returned a non-finite value -inf"]
+    assert scored("reward.max_abs=1e18")[:2] == [1e6, -1000000.5]
+
+
+def test_rewards_no_float_holds_fail_their_sample_instead_of_the_stage():
+    def reward(sample):
+        return {"big": 10 ** 400, "entry": {"score": 1.0, "note": "fine"}, "flag": {"score": 1.0, "ok": True},
+                "big entry": {"score": 1.0, "n": -10 ** 400}}[sample.response_text]
+
+    samples = [make_sample(text, "1") for text in ("big", "entry", "flag", "big entry")]
+    score_samples(samples, reward)
+    assert [s.reason or s.reward for s in samples] == [
+        "reward: reward 'reward' returned an integer too large for a float (1329 bits)",
+        "reward: returned a dict whose 'note' entry is str 'fine', expected a number (a float holds it)",
+        {"score": 1.0, "ok": 1.0},
+        "reward: returned a dict whose 'n' entry is int of 1329 bits, expected a number (a float holds it)"]
+
+
 def test_dict_reward_uses_score():
     sample = make_sample("1", "1")
     score_samples([sample], lambda s: {"score": 0.5, "format": 1.0})

@@ -10,6 +10,7 @@ of importing torch and transformers anew: each is still a process of its own, se
 """
 
 import asyncio
+import random
 import concurrent.futures
 import os
 import select
@@ -60,6 +61,7 @@ def engines(tiny_model_dir):
 
 
 LONG = {"max_new_tokens": 60, "ignore_eos": True}
+MIB = 1 << 20
 
 
 def test_least_outstanding_routing_spreads_requests(engines):
@@ -320,7 +322,7 @@ class Rig:
     plane; a real backend's weights reach them through a weight transport (tensor unless given), which
     also catches up an engine that comes back."""
 
-    def __init__(self, model_dir, backend, hold="", transport=None):
+    def __init__(self, model_dir, backend, hold="", transport=None, health_interval_s=0.2):
         from miles.rollout.plane import RolloutPlane
         from miles.weights.transports import TensorTransport
 
@@ -328,7 +330,7 @@ class Rig:
         self.ports = [free_port(), free_port()]
         spawned = [spawn_gated_engine(model_dir, self.ports[0], hold), spawn_gated_engine(model_dir, self.ports[1])]
         self.procs = [serving(p) for p in spawned]  # both start at once
-        self.router = Router([f"http://127.0.0.1:{p}" for p in self.ports], health_interval_s=0.2)
+        self.router = Router([f"http://127.0.0.1:{p}" for p in self.ports], health_interval_s=health_interval_s)
         self.plane = RolloutPlane(router=self.router)
         self.transport = transport or TensorTransport()
         self.router.on_readmit = lambda engine: self.transport.catch_up(self.plane, engine)
@@ -388,8 +390,8 @@ class Rig:
 def rig(tiny_model_dir, backend):
     rigs = []
 
-    def make(hold="", transport=None):
-        rigs.append(Rig(tiny_model_dir, backend, hold, transport))
+    def make(hold="", transport=None, health_interval_s=0.2):
+        rigs.append(Rig(tiny_model_dir, backend, hold, transport, health_interval_s))
         return rigs[-1]
 
     yield make
@@ -464,6 +466,34 @@ def test_a_push_that_lands_during_a_catch_up_reaches_the_engine(rig):
     urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{r.ports[0]}/test_release", data=b""), timeout=10)
     r.back_and_caught_up()  # version 3, not the 2 its catch-up started with
     assert r.router.stats["engine_failures"] == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_engine_restarted_in_place_never_answers_with_old_weights(rig, seed):
+    """Engine 0 killed and started again at the same address, before or after the router noticed it down (the
+    health checks are driven by the test: none runs unless it says so). Requests sent meanwhile are answered only
+    with the last pushed weights: the answers of the new process, which holds none of them, are dropped and the
+    requests served by engine 1; its next health check catches it up. One failure each time."""
+    rng = random.Random(seed)
+    r = rig(health_interval_s=3600)  # one health check at start, then only those the test runs
+    victim = r.router.engines[0]
+    r.plane.run(r.router.wait_healthy())
+    for trial in range(3):
+        r.push()
+        assert {a["meta_info"]["weight_version"] for a in r.generate()} == {r.version}
+        r.kill()
+        noticed = rng.random() < 0.5
+        if noticed:  # its health checks fail before it is back
+            for _ in range(r.router.max_failures):
+                r.plane.run(r.router.check(victim))
+            assert victim.quarantined
+        r.restart()
+        for _ in range(rng.randrange(1, 4)):  # requests while it is back: none answered with old weights
+            assert {a["meta_info"]["weight_version"] for a in r.generate()} == {r.version}
+        assert victim.quarantined
+        assert r.plane.run(r.router.check(victim))  # its next health check: caught up, in service again
+        r.back_and_caught_up()
+        assert r.router.stats["engine_failures"] == trial + 1
 
 
 def test_engine_killed_during_an_abort(rig):
@@ -552,6 +582,265 @@ def test_no_engine_left_fails_at_once_naming_the_engines(engines):
     for port in ports:
         assert f"(http://127.0.0.1:{port}) cannot restart, last error: " in message
     assert stats["engine_failures"] == 2
+
+
+# -- the standalone router over HTTP ----------------------------------------------------------------
+
+
+def http(base, path, body=None, *, data=None, headers=None, timeout=60):
+    """(status, parsed JSON answer) of a POST of ``body`` as JSON (``data`` as it is), or a GET without either."""
+    import json
+
+    if body is not None:
+        data = json.dumps(body).encode()
+    request = urllib.request.Request(base + path, data=data,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.fixture
+def router_serve(tmp_path):
+    """Start ``miles router serve`` in front of engine ports with more flags; returns its base URL. Its log is
+    checked for tracebacks when the test ends."""
+    started = []
+
+    def start(ports, *args):
+        port, log = free_port(), tmp_path / f"router-{len(started)}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "miles", "router", "serve", "--port", str(port), *args,
+                                     *[arg for p in ports for arg in ("--engine", f"http://127.0.0.1:{p}")]],
+                                    env=env, stdout=out, stderr=subprocess.STDOUT)
+        started.append((proc, log))
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            assert proc.poll() is None, log.read_text()
+            try:
+                http(base, "/health", timeout=5)  # 200, or 503 while no engine is in service
+                return base
+            except OSError:
+                time.sleep(0.05)
+        pytest.fail(f"the router never answered: {log.read_text()}")
+
+    yield start
+    for proc, log in started:
+        proc.terminate()
+        try:
+            proc.wait(timeout=90)  # a request still in flight is given up to 60 s to end
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def finished(port):
+    return http(f"http://127.0.0.1:{port}", "/server_info")[1]["internal_states"][0]["requests_finished"]
+
+
+GOOD = {"input_ids": [4, 13, 5, 14], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+
+
+def test_the_standalone_router_refuses_what_the_engine_refuses(engines, router_serve):
+    import json
+
+    ports, _ = engines
+    base = router_serve(ports, "--admin-token", "s3cret", "--max-request-mib", "1", "--allowed-host", "router.internal")
+    port = base.rsplit(":", 1)[1]
+    body = json.dumps(GOOD).encode()
+    before = [finished(p) for p in ports]
+    evil = {"Origin": "http://evil.example"}
+    status, error = http(base, "/generate", data=body, headers={**evil, "Content-Type": "text/plain"})
+    assert status == 403 and "Origin 'http://evil.example'" in error["error"] and "router" in error["error"]
+    assert http(base, "/health", headers=evil)[0] == 403
+    status, error = http(base, "/generate", data=body, headers={"Content-Type": "text/plain"})  # a form's post
+    assert status == 415 and "expected application/json for /generate, got text/plain" in error["error"]
+    status, error = http(base, "/generate", data=body, headers={"Host": f"evil.example:{port}"})  # DNS rebinding
+    assert status == 421 and f"Host 'evil.example:{port}'" in error["error"] and "--allowed-host" in error["error"]
+    assert http(base, "/health", headers={"Host": "router.internal"})[0] == 200
+    status, error = http(base, "/generate", data=b" " * (MIB + 1))
+    assert status == 413 and "(1 MiB) for /generate" in error["error"] and "--max-request-mib" in error["error"]
+    status, error = http(base, "/generate", data=(b" " * (64 << 10) for _ in range(17)),
+                         headers={"Transfer-Encoding": "chunked"})
+    assert status == 413 and "--max-request-mib" in error["error"]
+    for raw, why in ((b'{"input_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+                     (b'{"input_ids": ' + b"[" * 65 + b"4" + b"]" * 65 + b"}", "more than 64 levels"),
+                     (b'{"input_ids": [4', "body is not valid JSON"),
+                     (b"\xff\xfe", "body is not valid JSON"),
+                     (b"[4, 13]", "body must be a JSON object"),
+                     (b'{"input_ids": []}', "input_ids: expected a non-empty list")):
+        status, error = http(base, "/generate", data=raw)
+        assert status == 400 and why in error["error"], (raw[:40], error)
+    for path in ("/flush_cache", "/abort_request"):
+        status, error = http(base, path, {})
+        assert status == 401 and "Authorization: Bearer" in error["error"]
+    assert [finished(p) for p in ports] == before  # none of it reached an engine
+    token = {"Authorization": "Bearer s3cret"}
+    status, flushed = http(base, "/flush_cache", {}, headers=token)
+    assert status == 200 and flushed["engines"] == 2 and all(a["success"] for a in flushed["answers"])
+    status, answer = http(base, "/generate", GOOD)  # generation needs no token
+    assert status == 200 and len(answer["output_ids"]) == 2
+    status, refused = http(base, "/generate", {**GOOD, "sampling_params": {"n_tokens": 1}})
+    assert status == 400 and "n_tokens" in refused["error"]  # the engine's refusal, passed on
+
+
+def test_with_every_engine_dead_a_request_is_answered_503_naming_each_engine(router_serve):
+    ports = [free_port(), free_port()]  # nothing listens there
+    base = router_serve(ports, "--no-engine-wait-s", "0")
+    status, error = http(base, "/generate", GOOD)
+    assert status == 503 and error["error"].startswith("no engine can serve the request: every engine has failed")
+    assert "--no-engine-wait-s" in error["error"]
+    for i, port in enumerate(ports):
+        assert f"engine {i} (http://127.0.0.1:{port}), last error: ClientConnectorError" in error["error"], error
+    status, error = http(base, "/generate", {**GOOD, "input_ids": [[4, 13], [5, 14]]})  # a batch as well
+    assert status == 503 and "no engine can serve the request" in error["error"]
+    status, health = http(base, "/health")
+    assert status == 503 and f"(http://127.0.0.1:{ports[1]}), last error: " in health["error"]
+    status, error = http(base, "/flush_cache", {})
+    assert status == 503 and error["error"].startswith("no engine in service took /flush_cache")
+
+
+def _restart(tiny_model_dir, procs, ports, i, base):
+    """Engine ``i`` (killed) back on its port once the router has seen it down, and in the router's service again."""
+
+    def wait_until(condition, what):
+        for _ in range(1200):
+            if condition(listing := http(base, "/list_engines")[1]["engines"][i]):
+                return
+            time.sleep(0.05)
+        pytest.fail(f"engine {i} never {what}: {listing}")
+
+    procs[i].wait()
+    wait_until(lambda engine: engine["down"], "was seen down")
+    procs[i] = serving(spawn_gated_engine(tiny_model_dir, ports[i]))
+    wait_until(lambda engine: not engine["quarantined"], "came back into service")
+
+
+def test_the_only_engine_killed_mid_request_at_a_random_moment_the_client_gets_an_answer(tiny_model_dir,
+                                                                                         router_serve):
+    """The first round kills the engine while it holds the request (surely mid-request); the others at a random
+    moment around the request's life. Whatever the moment, the client is answered: the whole answer, or 503
+    naming the engine and what broke; and the router serves again once the engine is back."""
+    import random
+
+    ports = [free_port()]
+    procs = [serving(spawn_gated_engine(tiny_model_dir, ports[0], "/generate"))]
+    base = router_serve(ports, "--no-engine-wait-s", "0", "--health-interval-s", "0.05", "--max-failures", "1")
+    rng, pool = random.Random(42), concurrent.futures.ThreadPoolExecutor(1)
+    long = {"input_ids": [4, 13, 5, 14], "sampling_params": {"max_new_tokens": 120, "ignore_eos": True}}
+    answers = []
+    try:
+        for round_ in range(6):
+            answer = pool.submit(http, base, "/generate", long)
+            if round_ == 0:
+                assert procs[0].stdout.readline().split() == ["held", "/generate"]
+            else:
+                time.sleep(rng.uniform(0, 0.4))
+            procs[0].kill()
+            procs[0].wait()
+            status, out = answer.result(timeout=120)
+            answers.append(status)
+            if status == 200:
+                assert len(out["output_ids"]) == 120
+            else:
+                assert status == 503, out
+                assert f"engine 0 (http://127.0.0.1:{ports[0]}), last error: " in out["error"], out
+            _restart(tiny_model_dir, procs, ports, 0, base)
+            status, out = http(base, "/generate", GOOD)
+            assert status == 200 and len(out["output_ids"]) == 2
+    finally:
+        pool.shutdown(wait=False)  # a request still waiting ends with the router
+        procs[0].kill()
+        procs[0].wait()
+    assert answers[0] == 503
+
+
+def test_one_of_two_engines_killed_mid_request_at_a_random_moment_every_request_is_answered(engines, tiny_model_dir,
+                                                                                           router_serve):
+    import random
+
+    ports, procs = engines
+    base = router_serve(ports, "--health-interval-s", "0.05")
+    rng, pool = random.Random(7), concurrent.futures.ThreadPoolExecutor(1)
+    batch = {"input_ids": [[4, 13, 5, 14]] * 8, "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+    try:
+        for _ in range(4):
+            answer = pool.submit(http, base, "/generate", batch)
+            time.sleep(rng.uniform(0, 0.3))
+            victim = rng.randrange(2)
+            procs[victim].kill()
+            procs[victim].wait()
+            status, out = answer.result(timeout=120)
+            assert status == 200 and [len(a["output_ids"]) for a in out] == [60] * 8, out
+            _restart(tiny_model_dir, procs, ports, victim, base)
+    finally:
+        pool.shutdown(wait=False)  # a request still waiting ends with the router
+
+
+def test_a_request_waits_for_an_engine_that_answers_again_within_the_wait(tiny_model_dir, router_serve):
+    ports = [free_port()]
+    procs = [serving(spawn_gated_engine(tiny_model_dir, ports[0]))]
+    base = router_serve(ports, "--no-engine-wait-s", "600", "--health-interval-s", "0.05", "--max-failures", "1")
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        procs[0].kill()
+        procs[0].wait()
+        answer = pool.submit(http, base, "/generate", GOOD, timeout=600)
+        for _ in range(1200):
+            if http(base, "/list_engines")[1]["waiting_for_engine"] == 1:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the request never waited for an engine")
+        procs[0] = serving(spawn_gated_engine(tiny_model_dir, ports[0]))
+        status, out = answer.result(timeout=120)
+        assert status == 200 and len(out["output_ids"]) == 2
+    finally:
+        pool.shutdown(wait=False)  # a request still waiting ends with the router
+        procs[0].kill()
+        procs[0].wait()
+
+
+def test_a_request_no_engine_answers_in_time_is_answered_503_at_its_timeout(tiny_model_dir, router_serve):
+    ports = [free_port()]
+    procs = [serving(spawn_gated_engine(tiny_model_dir, ports[0], "/generate"))]  # never answers /generate
+    try:
+        base = router_serve(ports, "--request-timeout-s", "1")
+        status, error = http(base, "/generate", GOOD)
+        assert status == 503 and error["error"].startswith(
+            "request timed out after 1 s (--request-timeout-s) in 1 attempt(s); last error: TimeoutError: "), error
+    finally:
+        procs[0].kill()
+        procs[0].wait()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--engine", "127.0.0.1:30000"], "argument --engine: expected an engine's URL such as http://127.0.0.1:30000"),
+    (["--request-timeout-s", "0"], "argument --request-timeout-s: expected a number above 0, got '0'"),
+    (["--no-engine-wait-s", "-1"], "argument --no-engine-wait-s: expected a number at least 0"),
+    (["--health-interval-s", "nan"], "argument --health-interval-s: expected a number above 0"),
+    (["--max-failures", "0"], "argument --max-failures: expected an integer at least 1"),
+    (["--port", "70000"], "argument --port: expected an integer at least 1 and at most 65535"),
+    (["--max-request-mib", "0"], "argument --max-request-mib: expected a number above 0"),
+    (["--host", "0.0.0.0"], "--host 0.0.0.0: serving beyond loopback needs an admin token"),
+])
+def test_router_serve_refuses_bad_flags_with_exit_2(miles_cli, args, expected):
+    result = miles_cli("router", "serve", "--engine", "http://127.0.0.1:30000", *args, env={"MILES_ADMIN_TOKEN": ""})
+    assert result.returncode == 2 and expected in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_router_serve_on_a_taken_port_exits_2_naming_it(miles_cli):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = miles_cli("router", "serve", "--engine", "http://127.0.0.1:30000", "--port", str(port))
+    assert result.returncode == 2 and f"--port {port}: cannot listen there" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 if __name__ == "__main__":

@@ -206,7 +206,7 @@ def test_truncation_keeps_the_sampled_token_and_its_gradient_flows(model_dir):
     assert logits.grad[0, 1] == 0 and logits.grad[0, 3] != 0
 
 
-# -- the run: start-up refusals, and what a run records -----------------------------------------------------------
+# -- the run: start-up refusals, and what a run records ------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.logprobs_of=truncated", "backend.logprob_chunk_tokens=64"], "backend.logprob_chunk_tokens must be 0"),

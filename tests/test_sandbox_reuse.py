@@ -1,7 +1,9 @@
 """Reuse of pooled warm sandboxes: a trajectory plants one kind of leak (files in the workspace, /tmp and /dev/shm,
-processes, interpreter state, environment, rlimits, signal dispositions, IPC), the pool resets the sandbox and lends
-the same one to the next trajectory, which finds none of it; a reset that fails or cannot be verified discards the
-sandbox; 32 trajectories over a pool of 4 never share one; the pool's counts reach a step's metrics."""
+extended attributes, times, processes, interpreter state, environment, rlimits, signal dispositions, IPC, the
+zygote's own state; test_sandbox_leftovers plants random mixes of what stays in the file system), the pool resets
+the sandbox and lends the same one to the next trajectory, which finds none of it; a reset that fails or cannot be
+verified discards the sandbox; 32 trajectories over a pool of 4 never share one; the pool's counts reach a step's
+metrics."""
 
 from __future__ import annotations
 
@@ -24,18 +26,25 @@ pytestmark = pytest.mark.skipif(sandboxes.bwrap_problem() is not None,
 
 PREAMBLE = "import os, resource, signal, subprocess, sys\n"
 WALK = "sorted((d, sorted(ds), sorted(fs)) for d, ds, fs in os.walk({!r}))"  # a tree, whatever order it lists in
+PLACES = (".", "/tmp", "/dev/shm")  # the folders a trajectory writes in
 OTHERS = "sorted(p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid())"
 # kind -> (a probe printed before the leak and in the next trajectory, code that plants the leak); {sleep}: a
 # command whose processes the host finds by name
 # add_key(2) and request_key(2) on this machine (x86_64, aarch64)
 ADD_KEY, REQUEST_KEY = {"x86_64": (248, 249), "aarch64": (217, 218)}[os.uname().machine]
+IOPRIO_GET, IOPRIO_SET = {"x86_64": (252, 251), "aarch64": (31, 30)}[os.uname().machine]  # ioprio_get(2), _set(2)
+ZYGOTE = "os.getppid()"  # a session's parent: the zygote, whose state the next sessions inherit
 LEAKS = {
     "a file in the workspace": (WALK.format('.'), "open('leak.txt', 'w').write('x')\nos.makedirs('d/e')\n"
                                 "os.symlink('/etc', 'link')\nos.chmod('d', 0)\nos.chmod('.', 0o700)"),
     "a file in /tmp": (WALK.format('/tmp'), "open('/tmp/leak', 'w').write('x')\nos.mkdir('/tmp/dir')\n"
                        "open('/tmp/dir/f', 'w').write('x')\nos.chmod('/tmp', 0o700)"),
-    "a file in /dev and /dev/shm": (WALK.format('/dev'), "open('/dev/shm/leak', 'w').write('x')\n"
-                                    "os.mkdir('/dev/mine')\nos.unlink('/dev/stdout')\nos.symlink('/x', '/dev/stdout')"),
+    "a file in /dev/shm": (WALK.format('/dev'), "open('/dev/shm/leak', 'w').write('x')\nos.makedirs('/dev/shm/d/e')\n"
+                           "os.chmod('/dev/shm', 0o700)"),
+    "an extended attribute": (f"[os.listxattr(p) for p in {PLACES}]",
+                              f"for p in {PLACES}:\n    os.setxattr(p, 'user.leak', b'x')"),
+    "a changed time": (f"[os.stat(p).st_mtime_ns for p in {PLACES + ('/dev/mqueue', '/dev/pts')}]",
+                       f"for p in {PLACES + ('/dev/mqueue', '/dev/pts')}:\n    os.utime(p, ns=(1, 1))"),
     "a background process": (OTHERS, "subprocess.Popen({sleep!r})"),
     "a setsid'd process": (OTHERS, "subprocess.Popen({sleep!r}, start_new_session=True)"),
     "a process the call's own end missed": (OTHERS, "import __main__\n__main__.end_processes = lambda *a: None\n"
@@ -56,6 +65,13 @@ LEAKS = {
                              "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):\n"
                              "    signal.signal(s, signal.SIG_IGN)\nsignal.signal(signal.SIGUSR1, lambda *a: None)"),
     "the umask": ("[(lambda old: os.umask(old) and old)(os.umask(0o77))]", "os.umask(0)"),
+    # set on the zygote from outside it, as its user may: put back
+    "the zygote's CPU affinity, I/O priority and a soft rlimit": (
+        f"[sorted(os.sched_getaffinity({ZYGOTE})), resource.prlimit({ZYGOTE}, resource.RLIMIT_NOFILE), "
+        f"__import__('ctypes').CDLL(None).syscall({IOPRIO_GET}, 1, {ZYGOTE})]",
+        f"import ctypes\nos.sched_setaffinity({ZYGOTE}, [min(os.sched_getaffinity(0))])\n"
+        f"resource.prlimit({ZYGOTE}, resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        f"assert ctypes.CDLL(None).syscall({IOPRIO_SET}, 1, {ZYGOTE}, 3 << 13) == 0"),  # the idle I/O class
     "a SysV shared memory segment": ("open('/proc/sysvipc/shm').read().count('\\n')",
                                      "import ctypes\nassert ctypes.CDLL(None).shmget(0x1234, 4096, 0o1600) >= 0"),
     # POSIX message queues and keyring keys live in the sandbox's IPC and user namespaces, in no file tree
@@ -125,6 +141,13 @@ SPOILERS = {
                               "its interpreter was replaced"),
     "the zygote was stopped": ("import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)",
                                "the interpreter did not answer the reset"),
+    # what the kernel lets no one undo without privileges
+    "the zygote's nice value was raised": ("import os\nos.setpriority(os.PRIO_PROCESS, os.getppid(), 19)",
+                                           "the interpreter's nice value was changed"),
+    "the zygote's hard rlimit was lowered": ("import os, resource\n"
+                                             "resource.prlimit(os.getppid(), resource.RLIMIT_NOFILE, (64, 64))",
+                                             r"the interpreter's RLIMIT_NOFILE was changed \(\(\d+, \d+\) at the "
+                                             r"start, \(64, 64\) now\)"),
     "a mount's folder was made anew": ("import os, shutil\nw = os.environ['HOME']\nos.rmdir(os.path.join(w, 'app'))\n"
                                        "os.mkdir(os.path.join(w, 'app'))", "not as at the start"),
 }

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from miles.agentic.sandboxes import local as sandboxes
-from miles.agentic.sandboxes.interpreter import RESTART_MARKER
+from miles.agentic.sandboxes.interpreter import RESTART_MARKER, ResetError
 from miles.agentic.sandboxes.local import LocalSandbox
 from miles.agentic.sandboxes.pool import SandboxPool
 from miles.agentic.tool_env import ToolEnv, execute_python_code
@@ -220,6 +220,45 @@ def test_a_call_that_times_out_restarts_the_interpreter(isolation: str) -> None:
     assert (slow.exit_code, slow.timed_out, slow.stdout) == (None, True, "started\n")
     assert slow.stderr.endswith(RESTART_MARKER.format(reason="the call timed out after 1 s")), slow.stderr
     assert (after.stdout, after.exit_code) == ("False\n", 0)
+
+
+WROTE = "the code it ran wrote to the interpreter's channel (fd 4): "
+TAMPERING = {  # code that writes to or closes the session's socket (fd 4 as its calls run), and what the call says
+    "garbage": ("os.write(4, b'\\x00\\x00\\x00\\x05hello')", WROTE + "a message that is not JSON (b'hello')"),
+    "no header": ("os.write(4, b'garbage, all of it')",
+                  WROTE + "a message of 1734439522 bytes announced (b'garb'), more than the 1048576 any message has"),
+    "a forged reply": ("os.write(4, b'\\x00\\x00\\x00\\x10{\"exit_code\": 0}')",
+                       WROTE + "a reply that is not the session's to this call ({\"exit_code\": 0})"),
+    "closed": ("os.close(4)", "the code it ran closed or replaced the interpreter's channel (fd 4)"),
+    "replaced": ("os.dup2(os.open(os.devnull, os.O_RDONLY), 4)",
+                 "the code it ran closed or replaced the interpreter's channel (fd 4)"),
+}
+
+
+@pytest.mark.parametrize("tampering", TAMPERING)
+@pytest.mark.parametrize("isolation", MODES)
+def test_code_that_tampers_with_the_interpreter_s_channel_ends_it_saying_so_and_spoils_the_sandbox(
+        isolation: str, tampering: str) -> None:
+    code, reason = TAMPERING[tampering]
+
+    async def body(sandbox):
+        await sandbox.start()  # as a pool starts it: reset() may put it back for another trajectory
+        await sandbox.run_python("kept = 1", timeout_s=30)
+        tampered = await sandbox.run_python(f"import os\nprint('before', flush=True)\n{code}", timeout_s=30)
+        spoiled = sandbox.spoiled
+        after = await sandbox.run_python("print('kept' in globals())", timeout_s=30)
+        try:
+            await sandbox.reset()
+        except ResetError as exc:
+            return tampered, spoiled, after, str(exc)
+        return tampered, spoiled, after, None
+
+    tampered, spoiled, after, refused = in_sandbox(body, isolation=isolation)
+    assert (tampered.exit_code, tampered.timed_out, tampered.stdout) == (None, False, "before\n")
+    assert tampered.stderr == RESTART_MARKER.format(reason=reason), tampered.stderr
+    assert spoiled == reason  # a pool closes the sandbox rather than lend it again
+    assert refused == f"a call hit a limit: {reason}"
+    assert (after.exit_code, after.stdout, after.stderr) == (0, "False\n", "")  # a new interpreter serves on
 
 
 @pytest.mark.parametrize("isolation", MODES)

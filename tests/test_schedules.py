@@ -55,15 +55,27 @@ def test_settings_that_contradict_the_schedule_are_refused(tmp_path):
         prepare("configs/quickstart.yaml", ["run.schedule=one_step_off", "rollout.async.max_concurrent_samples=16"])
 
 
-def test_async_with_staleness_0_reproduces_the_synchronous_run(tmp_path):
+def test_async_with_staleness_0_is_the_synchronous_run(tmp_path, capfd):
+    """The quickstart as it is (16 prompts x 8 samples a step): with max_staleness 0 nothing may generate while
+    the trainer trains, so the run is the sync schedule: every metric and the final weights, bit for bit."""
     runs = {}
     for schedule in ("sync", "async"):
-        train(prepare("configs/quickstart.yaml", [f"run.dir={tmp_path / schedule}", *QUICK, "run.steps=8",
-                                                  f"run.schedule={schedule}", "rollout.async.max_staleness=0"]))
-        runs[schedule] = [comparable(r) for r in metrics_of(tmp_path / schedule)]
-    assert len(runs["sync"]) == 8
+        train(prepare("configs/quickstart.yaml", [f"run.dir={tmp_path / schedule}", "run.progress=false",
+                                                  "run.steps=4", f"run.schedule={schedule}",
+                                                  "rollout.async.max_staleness=0"]))
+        runs[schedule] = [{k: v for k, v in r.items() if not k.startswith("time/") and "per_s" not in k}
+                          for r in metrics_of(tmp_path / schedule)]
+    assert len(runs["sync"]) == 4
     assert runs["async"] == runs["sync"]
-    assert all(r["async/staleness_max"] == 0 for r in metrics_of(tmp_path / "async"))
+    weights = [(tmp_path / s / "final_model" / "model.safetensors").read_bytes() for s in ("sync", "async")]
+    assert weights[0] == weights[1]
+    said = capfd.readouterr().err
+    assert "max_staleness=0: no generation can overlap training, so the run is the sync schedule" in said
+    # with a cap on the samples generating at once, the stream runs (capped), and says how stale its groups were
+    train(prepare("configs/quickstart.yaml", [f"run.dir={tmp_path / 'capped'}", *QUICK, "run.steps=2",
+                                              "run.schedule=async", "rollout.async.max_staleness=0",
+                                              "rollout.async.max_concurrent_samples=8"]))
+    assert [r["async/staleness_max"] for r in metrics_of(tmp_path / "capped")] == [0, 0]
 
 
 class Tagged:
@@ -164,13 +176,15 @@ def test_staleness_never_exceeds_the_bound_and_every_group_is_accounted_for(tmp_
                                   rng.choice(["drop", "retry"]), rng.choice(["async", "async", "one_step_off"]))
     if schedule == "one_step_off":
         k = 1
+    # max_staleness 0 runs as sync unless the stream is capped: capped at a whole step, it is the stream at k=0
+    cap = ["rollout.async.max_concurrent_samples=16"] if k == 0 else []
     recorder = Recorder(seed=seed)
     steps = 8
     train(prepare("configs/quickstart.yaml", [
         f"run.dir={tmp_path}", *QUICK, f"run.steps={steps}", f"run.schedule={schedule}",
         "rollout.fn.name=jittery_single_turn",
         f"rollout.async.max_staleness={k}", f"rollout.async.update={update}", f"rollout.async.stale={stale}",
-        "rollout.sampling.max_new_tokens=6"], extra_plugins=[("recorder", recorder)]))
+        "rollout.sampling.max_new_tokens=6", *cap], extra_plugins=[("recorder", recorder)]))
     where = f"schedule={schedule} k={k} update={update} stale={stale}"
     assert len(recorder.trained) == steps
     indices = [g[0] for step in recorder.trained for g in step]

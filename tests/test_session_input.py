@@ -193,7 +193,8 @@ def test_a_client_that_disconnects_leaves_the_session_as_it_saw_it_and_its_retry
     seen, trajectory = asyncio.run(rounds())
     assert trajectory["turns"] == len(MOMENTS) * 3 and trajectory["status"] == "open"
     assert [m["role"] for m in trajectory["messages"]] == ["user", "assistant"] * len(seen)
-    generated = [t for m, t in zip(trajectory["loss_mask"], trajectory["response_ids"]) if m]
+    parts = [*trajectory["segments"], trajectory]  # the parts a template that renders otherwise split it into
+    generated = [t for part in parts for m, t in zip(part["loss_mask"], part["response_ids"]) if m]
     assert generated == [t for _, answer in seen for t in miles(answer)["token_ids"]]  # each turn once
     assert engine.stats()["waiting_requests"] == engine.stats()["running_requests"] == 0
 

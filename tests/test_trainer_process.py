@@ -151,13 +151,14 @@ def test_a_run_that_fails_its_checks_leaves_no_trainer_behind(tmp_path):
     assert trainers() == [] and not (tmp_path / "run").exists()
 
 
-def test_a_failure_in_the_child_reaches_the_run_with_its_type_and_message(tmp_path, capsys):
+def test_a_failure_in_the_child_reaches_the_run_with_its_type_and_message(tmp_path):
+    """The child's traceback travels with the exception (a note, shown where its traceback is)."""
     p = quickstart(tmp_path, "run.steps=2", "sft.steps=0", "backend.name=raises", "backend.separate_process=true",
                    plugins=[("backends", Backends())])
-    with pytest.raises(ValueError, match=r"the loss is not finite \(from the test\)"):
+    with pytest.raises(ValueError, match=r"the loss is not finite \(from the test\)") as raised:
         train(p)
-    err = capsys.readouterr().err
-    assert "the training process failed in train_step" in err and "Traceback" in err
+    notes = "\n".join(raised.value.__notes__)
+    assert "the training process failed in train_step" in notes and "Traceback" in notes
     assert trainers() == []
 
 

@@ -11,6 +11,7 @@ resolves the ids once; :func:`detect` picks the format a tokenizer speaks.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -195,9 +196,11 @@ def bind(fmt: ChatFormat, tokenizer: Any, *, template: str | None = None, templa
     eos = {i for i in eos_ids if i is not None}
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
+    kwargs = {**fmt.template_kwargs, **(template_kwargs or {})}
+    if fmt.arguments == "json" and _quotes_string_arguments(tokenizer, text, kwargs):
+        fmt = dataclasses.replace(fmt, arguments="mapping")  # as a deployed server hands such a template the calls
     return BoundFormat(
-        format=fmt, tokenizer=tokenizer, template=text,
-        template_kwargs={**fmt.template_kwargs, **(template_kwargs or {})},
+        format=fmt, tokenizer=tokenizer, template=text, template_kwargs=kwargs,
         end_of_turn_ids=frozenset(ids[t] for t in fmt.end_of_turn),
         next_role_ids=frozenset(ids[t] for t in fmt.next_role_tokens),
         stop_ids=tuple(sorted({*ids.values(), *eos})),
@@ -205,6 +208,23 @@ def bind(fmt: ChatFormat, tokenizer: Any, *, template: str | None = None, templa
         reasoning_parser=build_parser("reasoning_parser", fmt.reasoning_parser)
         if build_parser and fmt.reasoning_parser else None,
     )
+
+
+def _quotes_string_arguments(tokenizer: Any, template: str, kwargs: dict[str, Any]) -> bool:
+    """Whether ``template`` JSON-encodes a call's arguments given as a JSON string (``arguments | tojson``), so that
+    they render quoted twice (``"{\\"a\\": 2}"``): such a template reads them as a mapping. Told by rendering one
+    call; a template that cannot render it keeps the format's form."""
+    probe = [{"role": "user", "content": "x"},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": '{"probe": 1}'}}]},
+             {"role": "tool", "tool_call_id": "call_0", "name": "probe", "content": "1"}]
+    tools = [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {
+        "probe": {"type": "integer"}}}}}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tools=tools, tokenize=False, chat_template=template, **kwargs)
+    except Exception:  # noqa: BLE001 - any refusal of the template's own: nothing to tell
+        return False
+    return '\\"probe\\"' in text
 
 
 def detect(formats: dict[str, ChatFormat], tokenizer: Any) -> tuple[ChatFormat | None, list[str]]:
@@ -220,8 +240,13 @@ def detect(formats: dict[str, ChatFormat], tokenizer: Any) -> tuple[ChatFormat |
                   if all(_token_id(tokenizer, t) is not None for t in (*f.identify, *f.all_stop_tokens))]
     if not candidates:
         return None, []
-    marked = [f for f in candidates if f.template_markers and all(m in own for m in f.template_markers)]
-    pool = marked or [f for f in candidates if not f.template_markers] or candidates
+    # A vocabulary may hold the tokens of several families (Llama-3's and ChatML's): the template writes those of
+    # the one it renders (a stop token, or the tokenizer's EOS by name)
+    eos = getattr(tokenizer, "eos_token", None)
+    written = [f for f in candidates if any(t in own or (t == eos and "eos_token" in own) for t in f.all_stop_tokens)]
+    pool = written or candidates
+    marked = [f for f in pool if f.template_markers and all(m in own for m in f.template_markers)]
+    pool = marked or [f for f in pool if not f.template_markers] or pool
     best = max(len(set(f.identify) | set(f.all_stop_tokens)) for f in pool)
     top = [f for f in pool if len(set(f.identify) | set(f.all_stop_tokens)) == best]
     names = [f.name for f in candidates]

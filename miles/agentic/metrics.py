@@ -12,7 +12,7 @@ __all__ = ["TITO_STATS", "TOOL_STATS", "agentic_metrics"]
 # What an agentic rollout records per trajectory: sample.metadata["tools"] (multi_turn, the session server) and
 # sample.metadata["tito"] (rollout.tito.on_mismatch's work), each a count per key.
 TOOL_STATS = ("calls", "succeeded", "parse_errors", "schema_errors", "timeouts")
-TITO_STATS = ("mismatches", "splits", "retokenized_tokens")
+TITO_STATS = ("mismatches", "splits", "retokenized_tokens", "final_mismatches")
 
 
 def agentic_metrics(samples: list[Sample], sandboxes: Any = None) -> dict[str, float]:
@@ -45,6 +45,8 @@ def agentic_metrics(samples: list[Sample], sandboxes: Any = None) -> dict[str, f
         metrics["rollout/tito_mismatch_frac"] = sum(t["mismatches"] > 0 for t in tito) / len(tito)
         metrics["rollout/tito_split_frac"] = sum(t["splits"] > 0 for t in tito) / len(tito)
         metrics["rollout/tito_retokenized_tokens"] = sum(t["retokenized_tokens"] for t in tito)
+        # found only once the trajectory ended: the template renders the finished conversation otherwise
+        metrics["rollout/tito_final_mismatch_frac"] = sum(t.get("final_mismatches", 0) > 0 for t in tito) / len(tito)
     times = sorted(t for s in agentic for t in s.metadata.get("exec_s", ()))
     if times:
         cuts = quantiles(times, n=100, method="inclusive") if len(times) > 1 else [times[0]] * 99

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,16 @@ import jsonschema
 
 from miles.agentic.types import ToolCall
 
-__all__ = ["CheckedCalls", "HermesParser", "PythonBlockParser", "call_from_object", "check_calls", "set_arguments"]
+__all__ = ["MAX_DEPTH", "CheckedCalls", "HermesParser", "PythonBlockParser", "call_from_object", "check_calls",
+           "decode_json", "loads_json", "set_arguments", "RefusedJSON"]
+
+# Objects and arrays within each other that a call may nest: far more than any tool's arguments need, few enough that
+# checking, rendering and running a call never reaches Python's recursion limit (the session server's limit too).
+MAX_DEPTH = 64
+_TOO_DEEP = f"nested too deeply (objects and arrays more than {MAX_DEPTH} levels within each other)"
+_DECODER = json.JSONDecoder()
+_WHITESPACE = re.compile(r"[ \t\n\r]*")  # what JSON counts as whitespace around a value
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class HermesParser:
@@ -44,7 +54,7 @@ class HermesParser:
     @staticmethod
     def _decode(body: str, call: ToolCall) -> None:
         try:
-            obj = json.loads(body)
+            obj = loads_json(body)
         except json.JSONDecodeError as exc:
             call.error = f"the tool call is not valid JSON ({exc}); expected {{\"name\": ..., \"arguments\": {{...}}}}"
             return
@@ -60,6 +70,8 @@ class PythonBlockParser:
     Registered as tool parser ``python_block``."""
 
     _BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+
+    turn_layout = "inline"  # the code is written in the turn's text, which the template renders as it is
 
     def __init__(self, tool: str = "execute_python_code", argument: str = "code") -> None:
         self.tool, self.argument = tool, argument
@@ -85,7 +97,7 @@ def set_arguments(call: ToolCall, value: Any, key: str = "arguments") -> ToolCal
     name = call.name or "the tool call"
     if isinstance(value, str):
         try:
-            value = json.loads(value) if value.strip() else {}
+            value = loads_json(value) if value.strip() else {}
         except json.JSONDecodeError as exc:
             call.error = (f"the arguments of {name}{where} are not valid JSON ({exc.msg} at line {exc.lineno} column "
                           f"{exc.colno}); expected a JSON object")
@@ -95,6 +107,62 @@ def set_arguments(call: ToolCall, value: Any, key: str = "arguments") -> ToolCal
         return call
     call.arguments = value
     return call
+
+
+class RefusedJSON(json.JSONDecodeError):
+    """JSON that may be well-formed but that a call cannot carry: nested more than :data:`MAX_DEPTH` deep, an integer
+    with more digits than Python converts, a string holding half of a UTF-16 surrogate pair (no character; the
+    tokenizer refuses it when the call is rendered back)."""
+
+
+def decode_json(text: str, pos: int = 0) -> tuple[Any, int]:
+    """The JSON value that starts at ``text[pos]`` and the index after it (``json.JSONDecoder.raw_decode``). Every way
+    generated text can fail to decode is a :class:`json.JSONDecodeError` saying what was wrong, which the parsers turn
+    into the call's error: bad syntax, and the :class:`RefusedJSON` cases (json's decoder recurses, so 100,000 levels
+    raise RecursionError; a 5000-digit integer raises ValueError)."""
+    try:
+        value, end = _DECODER.raw_decode(text, pos)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise RefusedJSON(_TOO_DEEP, text, pos) from None
+    except ValueError as exc:  # the only other ValueError json raises: an integer too long to convert
+        limit = sys.get_int_max_str_digits()
+        long_int = re.compile(rf"\d{{{limit + 1},}}").search(text, pos) if limit else None
+        if long_int is None:
+            raise RefusedJSON(str(exc), text, pos) from None
+        raise RefusedJSON(f"an integer has {long_int.end() - long_int.start()} digits, more than the {limit} Python "
+                          f"converts", text, long_int.start()) from None
+    problem = _refused(value)
+    if problem is not None:
+        raise RefusedJSON(problem, text, pos)
+    return value, end
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads(text)`` with :func:`decode_json`'s errors: the one JSON value that ``text`` holds."""
+    value, end = decode_json(text, _WHITESPACE.match(text).end())
+    end = _WHITESPACE.match(text, end).end()
+    if end != len(text):
+        raise json.JSONDecodeError("Extra data", text, end)
+    return value
+
+
+def _refused(value: Any) -> str | None:
+    """Why a decoded value cannot be a call's (too deep, a lone surrogate); None when it can. Iterative: any depth."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if (half := _SURROGATE.search(item)) is not None:
+                return (f"the string {item[:40]!r} holds \\u{ord(half.group()):04x}, half of a surrogate pair, "
+                        f"which is no character")
+        elif isinstance(item, (dict, list)):
+            if depth >= MAX_DEPTH:
+                return _TOO_DEEP
+            items = [*item, *item.values()] if isinstance(item, dict) else item
+            stack.extend((v, depth + 1) for v in items)
+    return None
 
 
 def call_from_object(obj: Any, expected: str, arguments_keys: tuple[str, ...] = ("arguments",),

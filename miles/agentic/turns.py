@@ -9,9 +9,10 @@ from typing import Any
 
 from miles.agentic.chat_format import BoundFormat, assistant_message
 from miles.agentic.tool_calls import CheckedCalls, check_calls
-from miles.agentic.types import Message
+from miles.agentic.types import Message, ToolCall
+from miles.hookspecs import TurnLayout
 
-__all__ = ["PolicyTurn", "read_turn", "turn_source"]
+__all__ = ["PolicyTurn", "read_turn", "turn_source", "message_parts"]
 
 
 @dataclass
@@ -46,17 +47,35 @@ def read_turn(fmt: BoundFormat, token_ids: list[int], tools: list[dict[str, Any]
         if fmt.format.reasoning_field:
             body = split.content
     parser = tool_parser or fmt.tool_parser
-    if not tools or parser is None:
-        checked = CheckedCalls([])
-        content = body
-    else:
-        checked = check_calls(parser.parse(body), tools)
-        content = parser.content(body)
+    parsed = parser.parse(body) if tools and parser is not None else []
+    content, calls = message_parts(parser, body, parsed)
+    checked = check_calls(parsed, tools) if tools and parser is not None else CheckedCalls([])
+    if layout(parser) == "markup":  # what the turn says is its content: the markup around it is the family's
+        answer = _without_special_tokens(tokenizer, content)
     for i, call in enumerate(checked.calls):
         if not call.id:
             call.id = fmt.format.call_id(first_call_index + i, call.name, seed)
-    return PolicyTurn(text, answer, reasoning, checked,
-                      assistant_message(fmt.format, content, reasoning, checked.valid))
+    return PolicyTurn(text, answer, reasoning, checked, assistant_message(fmt.format, content, reasoning, calls))
+
+
+def layout(parser: Any) -> str:
+    """A tool parser's :class:`~miles.hookspecs.TurnLayout` (``calls`` unless it says otherwise)."""
+    return parser.turn_layout if isinstance(parser, TurnLayout) else "calls"
+
+
+def message_parts(parser: Any, body: str, parsed: list[ToolCall]) -> tuple[str, list[ToolCall]]:
+    """The content and the calls of the assistant message a turn (``body``: its text, reasoning apart) stands for:
+    what a deployed server hands back for it, and what the template renders in the history, so that the rendering is
+    the text as generated. A turn with a call that cannot be read is all text (no call of it is taken); a call the
+    tools refuse (an unknown tool, arguments off their schema) is a call all the same (the env answers it with the
+    error). ``parsed``: what ``parser`` read of ``body`` (empty without tools), before the tools checked them."""
+    kind = layout(parser)
+    unreadable = any(c.error is not None for c in parsed)  # before the tools check them: a parse error
+    if kind == "markup":
+        return parser.content(body), [c for c in parsed if c.error is None]
+    if kind == "inline" or not parsed or unreadable:
+        return body, []
+    return parser.content(body), parsed
 
 
 def _without_special_tokens(tokenizer: Any, text: str) -> str:

@@ -123,9 +123,10 @@ class SamplingConfig:
 class TitoConfig:
     """``rollout.tito``: token in, token out across turns."""
 
-    on_mismatch: str = key("fail", choices=("fail", "split", "retokenize"),
-                           doc="A template that renders the history differently once new messages arrive: fail the "
-                               "sample, split it there, or re-render and mask the changed tokens")
+    on_mismatch: str = key("auto", choices=("auto", "fail", "split", "retokenize"),
+                           doc="A template whose rendering differs from the tokens a trajectory holds: fail the "
+                               "sample, split it there, or re-render and mask the changed tokens; `auto`: split, "
+                               "retokenize with an estimator of per-token values")
 
 
 @dataclass
@@ -353,10 +354,14 @@ ORCHESTRATION_KEYS: dict[str, dict[str, Any]] = {
     # engine generates in this process, on 2 cores or more; miles/train/process_backend.py)
     "backend": {"separate_process": "auto"},
     "rollout.fn": {"timeout_s": 0.0},  # seconds per sample, waiting for the engine included; 0: no limit
-    "reward": {"timeout_s": 60.0},  # seconds per call (per batch for a batched reward); 0: no limit
+    # timeout_s: seconds per call (per batch for a batched reward); 0: no limit. max_abs: a sample whose reward is
+    # larger in magnitude fails (larger rewards overflow the advantages and the loss); at most MAX_REWARD_BOUND
+    "reward": {"timeout_s": 60.0, "max_abs": 1e6},
     # sandboxes kept started for the next trajectories (sandboxes/pool.py); 0: none; auto: as many as run at once
     "rollout.sandbox": {"pool": 0},
 }
+# The largest reward.max_abs: the square of a reward (a group's variance) still fits float32 (3.4e38) with room.
+MAX_REWARD_BOUND = 1e18
 COMPONENT_LISTS: dict[str, str] = {"selection": "data_selector", "run.loggers": "logger"}
 
 

@@ -13,8 +13,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from miles.config.algorithms import conflicts
 from miles.config.keys import keys
-from miles.config.schema import (COMPONENT_LISTS, COMPONENT_NODES, OPTIONAL_NODES, EvalDatasetConfig, component_node,
-                                 schema_keys, split_node)
+from miles.config.schema import (COMPONENT_LISTS, COMPONENT_NODES, MAX_REWARD_BOUND, OPTIONAL_NODES, EvalDatasetConfig,
+                                 component_node, schema_keys, split_node)
 from miles.errors import ConfigError
 from miles.hookspecs import ChecksArgs, LogprobsOfEngine, NeedsValues, is_server_launcher, uses_ray
 from miles.registry import KINDS, Registry, nested_nodes
@@ -108,6 +108,11 @@ def _check_node(registry: Registry, kind: str, node: Any, where: str) -> list[st
     timeout = extra.get("timeout_s", 0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
         problems.append(f"{where}.timeout_s: expected a number of seconds > 0, or 0 for no limit, got {timeout!r}")
+    bound = extra.get("max_abs", MAX_REWARD_BOUND)
+    if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 < bound <= MAX_REWARD_BOUND:
+        problems.append(f"{where}.max_abs: expected the largest reward magnitude a sample may have, a number > 0 and "
+                        f"at most {MAX_REWARD_BOUND:g} (the square of a larger one overflows float32 advantages), "
+                        f"got {bound!r}")
     pool = extra.get("pool", 0)
     if pool != "auto" and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 0):
         problems.append(f"{where}.pool: expected a whole number >= 0 (0: no pool) or auto (as many as the "
@@ -172,17 +177,11 @@ def _agentic_problems(config: DictConfig, registry: Registry) -> list[str]:
                 continue
             if tool.needs_sandbox and config.rollout.sandbox is None:
                 problems.append(f"rollout.sandbox: tool {name!r} runs code in a sandbox; set one, e.g. {{name: local}}")
-    if config.rollout.tito.on_mismatch == "split":
+    if config.rollout.tito.on_mismatch == "split" and needs_values(config, registry):
         advantage = component_node(config.advantage)["name"]
-        try:
-            estimator = registry.get("advantage", advantage).obj
-            needs_values = isinstance(estimator, NeedsValues) and estimator.needs_values
-        except ConfigError:
-            needs_values = False  # reported with the advantage node
-        if needs_values:
-            problems.append(f"rollout.tito.on_mismatch: split trains a trajectory's earlier parts with its mean "
-                            f"advantage, which advantage {advantage!r} (per-token values) does not have; use "
-                            f"retokenize or fail, or a sequence-level estimator (grpo, rloo, reinforce_pp, ...)")
+        problems.append(f"rollout.tito.on_mismatch: split trains a trajectory's earlier parts with its mean "
+                        f"advantage, which advantage {advantage!r} (per-token values) does not have; use "
+                        f"retokenize, fail or auto, or a sequence-level estimator (grpo, rloo, reinforce_pp, ...)")
     if config.rollout.true_on_policy:
         problems += _true_on_policy_problems(config, registry)
     problems += _logprobs_of_problems(config, registry)
@@ -193,6 +192,25 @@ def _agentic_problems(config: DictConfig, registry: Registry) -> list[str]:
         except ConfigError as exc:
             problems.append(f"{exc} (or auto: detected from the tokenizer)")
     return problems
+
+
+def needs_values(config: DictConfig, registry: Registry) -> bool:
+    """Whether the configured advantage estimator uses per-token values (a value model's)."""
+    try:
+        estimator = registry.get("advantage", component_node(config.advantage)["name"]).obj
+    except ConfigError:
+        return False  # reported with the advantage node
+    return isinstance(estimator, NeedsValues) and bool(estimator.needs_values)
+
+
+def tito_on_mismatch(config: DictConfig, registry: Registry) -> str:
+    """``rollout.tito.on_mismatch``, ``auto`` resolved: ``split`` (every generated token trains, in the context it was
+    generated in, and the trajectory goes on from the template's rendering), ``retokenize`` when the estimator's
+    per-token values cannot follow a split."""
+    choice = str(config.rollout.tito.on_mismatch)
+    if choice != "auto":
+        return choice
+    return "retokenize" if needs_values(config, registry) else "split"
 
 
 def _true_on_policy_problems(config: DictConfig, registry: Registry) -> list[str]:

@@ -25,7 +25,7 @@ from miles.engine.image_input import prefill_vision_inputs
 from miles.engine.kv_layout import left_pad, pack, past_block
 from miles.engine.prefix_cache import PrefixCache
 from miles.engine.request import Request, answer, clear_outputs, plain_answer
-from miles.engine.sampling import sample_next, top_logprobs
+from miles.engine.sampling import per_position, sample_next, top_logprobs
 from miles.models.hf import exact_logprobs
 from miles.models.moe import moe_layout, routing
 
@@ -40,8 +40,7 @@ class ContinuousBatcher:
                  background: bool = True, prefix_cache_tokens: int = 0, exact_logprobs: bool = False,
                  logprobs_of: str = "sampling") -> None:
         self.model, self.tokenizer = model, tokenizer
-        # rollout.logprobs_of: the distribution the sampled tokens' log-probs (and top log-probs, entropy) are of
-        self.logprobs_of = logprobs_of
+        self.logprobs_of = logprobs_of  # the distribution of the log-probs, top log-probs and entropy it reports
         # rollout.true_on_policy: each answer's log-probs computed again as the trainer computes them (bit for bit)
         self.exact_logprobs = exact_logprobs
         self.device = next(model.parameters()).device  # every tensor of the batch lives beside the weights
@@ -415,8 +414,7 @@ class ContinuousBatcher:
             logits = logits.index_fill(1, self.never_generated, float("-inf"))
         temperature, top_p, top_k = settings
         tokens, scaled, drawn = sample_next(logits, temperature, top_p, top_k, self.generator)
-        reported = {"sampling": scaled, "truncated": drawn, "model": logits}[self.logprobs_of]
-        all_logprobs = reported.log_softmax(dim=-1)  # [B, V]
+        all_logprobs = {"sampling": scaled, "truncated": drawn, "model": logits}[self.logprobs_of].log_softmax(-1)
         logprobs = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         k = max((r.top_logprobs_num for r in rows if r.return_logprob), default=0)
         top = top_logprobs(all_logprobs, k) if k else None
@@ -481,32 +479,13 @@ class ContinuousBatcher:
     @torch.inference_mode()
     def _rescore(self, r: Request, meta: dict[str, Any]) -> None:
         """Replace the decode's log-probs of ``r``'s outputs with :func:`miles.models.hf.exact_logprobs` over the prompt
-        and the outputs (the weights that sampled them: under the step lock), under the distribution the decode
-        reported (``rollout.logprobs_of``); ``sampling_logprob_abs_diff_max`` says how far the distribution the tokens
-        were sampled from was from them (float rounding of the cached decode)."""
-        ids = r.prompt + r.output_ids
-        exact = exact_logprobs(self.model, ids, length=self.context_length, pad_token_id=self.pad,
-                               **self._distribution(r, len(ids) - 1))[len(r.prompt) - 1:].tolist()
+        and the outputs (the weights that sampled them: under the step lock; the distribution the decode reported);
+        ``sampling_logprob_abs_diff_max``: how far the decode's were (float rounding of the cached decode)."""
+        columns = per_position(r.params, len(r.prompt) - 1, len(r.output_ids), self.logprobs_of, self.device)
+        exact = exact_logprobs(self.model, r.prompt + r.output_ids, length=self.context_length, pad_token_id=self.pad,
+                               **columns)[len(r.prompt) - 1:].tolist()
         meta["sampling_logprob_abs_diff_max"] = max(abs(a - b) for a, b in zip(exact, r.output_logprobs))
         r.output_logprobs = exact
-
-    def _distribution(self, r: Request, positions: int) -> dict[str, torch.Tensor]:
-        """The per-position distribution of :func:`exact_logprobs` over ``r``'s prompt and outputs (``positions``
-        predictions): the model's for the prompt, the request's sampling parameters for the outputs."""
-        if self.logprobs_of == "model":
-            return {}
-        outputs = len(r.output_ids)
-        prompt = positions - outputs
-
-        def column(value: float, neutral: float, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([neutral] * prompt + [value] * outputs, dtype=dtype, device=self.device)
-
-        params = r.params
-        out = {"temperature": column(float(params.temperature), 1.0, torch.float32)}
-        if self.logprobs_of == "truncated":
-            out["top_p"] = column(float(params.top_p), 1.0, torch.float32)
-            out["top_k"] = column(params.top_k, -1, torch.long)
-        return out
 
     def _answer(self, r: Request, text: str | None = None) -> dict[str, Any]:
         self.stats["requests_finished"] += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -43,11 +44,9 @@ class LocalEngine:
     def __init__(self, max_batch_size: int = 1024, seed: int = 0, background: bool = False,
                  prefix_cache_tokens: int = 32768, device: str = "cpu", dtype: str = "float32",
                  exact_logprobs: bool = False, logprobs_of: str = "sampling") -> None:
-        """``device``: cpu, cuda (one GPU) or auto (cuda when torch sees one); ``dtype``: the weights' type
-        (float32, bfloat16 or float16; auto: bfloat16 on a GPU that supports it, else float32).
-        ``exact_logprobs``: answer with log-probs computed as the trainer computes them, bit for bit
-        (:func:`miles.models.hf.exact_logprobs`; ``rollout.true_on_policy`` sets it). ``logprobs_of``: the
-        distribution of the sampled tokens' log-probs (:mod:`miles.models.sampling`; ``rollout.logprobs_of``)."""
+        """``device``: cpu, cuda (one GPU) or auto (cuda when torch sees one); ``dtype``: the weights' type (float32,
+        bfloat16 or float16; auto: bfloat16 on a GPU that supports it, else float32). ``exact_logprobs``: log-probs as
+        the trainer computes them, bit for bit (``rollout.true_on_policy``); ``logprobs_of``: their distribution."""
         if not isinstance(exact_logprobs, bool):
             raise ValueError(f"exact_logprobs: expected true or false, got {exact_logprobs!r}")
         if logprobs_of not in LOGPROBS_OF:
@@ -60,17 +59,16 @@ class LocalEngine:
             raise ValueError(f"device: expected cpu, cuda or auto, got {device!r}")
         if dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ValueError(f"dtype: expected float32, bfloat16, float16 or auto, got {dtype!r}")
-        self.device, self.dtype = device, dtype
-        self.max_batch_size = max_batch_size
-        self.prefix_cache_tokens = prefix_cache_tokens
+        self.device, self.dtype, self.max_batch_size = device, dtype, max_batch_size
+        self.prefix_cache_tokens, self.seed = prefix_cache_tokens, seed
         # background: a worker thread batches continuously while the caller's loop runs (servers);
         # otherwise each event-loop turn's requests are generated to completion in the calling thread.
         self.background = background
-        self.seed = seed
         self.model: Any = None
         self.model_path: str | None = None
         self.tokenizer: Any = None
         self.weight_version = 0
+        self.instance = uuid.uuid4().hex[:16]  # this engine, as its server reports it (a restart makes another)
         self.released: set[str] = set()  # memory given back (release_memory): "weights", "kv_cache"
         self.weights_stale = False  # weights resumed after a release hold nothing until an update
         self._released_shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []
@@ -311,9 +309,8 @@ class LocalEngine:
         With ``return_logprob``: ``logprob_start_len >= 0`` adds ``input_token_logprobs`` (the prompt's, from
         that position; the first token has none), ``top_logprobs_num`` adds ``output_top_logprobs`` (and
         ``input_top_logprobs``), ``return_text_in_logprobs`` fills each triple's text. ``return_entropy`` adds
-        ``output_token_entropy`` (nats, of each next-token distribution the log-probs are of). Output log-probs are
-        of the distribution ``logprobs_of`` names (at the request's temperature by default); the prompt's are the
-        model's own.
+        ``output_token_entropy`` (nats). Output log-probs are of the distribution ``logprobs_of`` names (at the
+        request's temperature by default), the prompt's of the model's own.
         ``return_routed_experts`` (MoE models) adds ``routed_experts``: SGLang's base64 of int32 expert ids
         ``[tokens, num_layers, top_k]`` of every token fed through the model (the prompt, then the outputs but the
         last; -1 for dense layers); such a request's prompt is computed whole, not from the prefix cache.

@@ -15,6 +15,12 @@ pause or catch-up, failed health checks): it is counted once in ``stats["engine_
 the engine answers a health check again. Only when no engine is left, every one quarantined and unable to come
 back (``resolve`` raises :class:`EngineGone`), does a request or a post to all raise
 :class:`NoHealthyEngine`.
+
+A request waits for an engine in service at most until its deadline (``request_timeout_s``, retries included:
+each attempt gets what is left of it). A router that cannot know whether an engine will come back (the
+standalone ``miles router serve``, whose engines have no ``resolve``) sets ``no_engine_wait_s``: once every
+engine is down (failed, and has not answered a health check since), a request waits that long after the last
+one went down for one to answer again, then raises :class:`NoHealthyEngine` naming each engine and its last error.
 """
 
 from __future__ import annotations
@@ -81,8 +87,10 @@ class EngineEndpoint:
     down: bool = False  # failed, and has not answered a health check since
     gone: bool = False  # cannot come back
     incarnation: int = 0  # bumped each time a failed engine answers again: later errors from before are not its own
+    down_since: float = 0.0  # when it went down (time.monotonic())
     last_error: str = ""
     weight_version: int = -1
+    instance: str | None = None  # the process it answers as (the embedded engine's health and answers say)
     resolve: Callable[[], Awaitable[str]] | None = None  # a fresh URL after a restart (Ray actors)
     meta: dict[str, Any] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # one health check at a time
@@ -92,12 +100,19 @@ class Router:
     def __init__(self, urls: list[str] = (), *, health_interval_s: float = 1.0, max_failures: int = 3,
                  max_retries: int = 3, request_timeout_s: float = 600.0, admin_token: str = "",
                  on_readmit: Callable[[EngineEndpoint], Awaitable[None]] | None = None,
-                 batch_requests: bool = True) -> None:
+                 batch_requests: bool = True, no_engine_wait_s: float | None = None,
+                 settings_as_flags: bool = False) -> None:
+        """``no_engine_wait_s``: how long after every engine went down a request still waits for one (None: until
+        its deadline); ``settings_as_flags``: errors name the settings as flags of ``miles router serve``
+        (``--request-timeout-s``) rather than as config keys (``cluster.router.request_timeout_s``)."""
         self.engines = [EngineEndpoint(url.rstrip("/")) for url in urls]
         self.health_interval_s = health_interval_s
         self.max_failures = max_failures
         self.max_retries = max_retries
         self.request_timeout_s = request_timeout_s
+        self.no_engine_wait_s = no_engine_wait_s
+        self.settings_as_flags = settings_as_flags
+        self.waiting_for_engine = 0  # requests waiting now for an engine in service
         self.on_readmit = on_readmit
         self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.stats = {"engine_failures": 0, "retries": 0, "readmissions": 0, "engines_lost_with_node": 0}
@@ -139,6 +154,10 @@ class Router:
 
     def name(self, engine: EngineEndpoint) -> str:
         return f"engine {self.engines.index(engine)} ({engine.url})"
+
+    def setting(self, key: str) -> str:
+        """Where a user sets ``key`` (``request_timeout_s``): a flag of ``miles router serve``, or the config key."""
+        return f"--{key.replace('_', '-')}" if self.settings_as_flags else f"cluster.router.{key}"
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -207,18 +226,33 @@ class Router:
         return min(healthy, key=lambda e: (e.outstanding, e.served)) if healthy else None
 
     async def _wait_for_engine(self, deadline: float) -> EngineEndpoint:
-        while (engine := self._pick()) is None:
-            if (error := self.no_engine_left()) is not None:
-                raise error
-            if time.monotonic() > deadline:
-                raise NoHealthyEngine(f"no engine came back into service within {self.request_timeout_s} s "
-                                      f"(cluster.router.request_timeout_s): {self._describe()}")
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout=min(1.0, max(0.01, deadline - time.monotonic())))
-            except asyncio.TimeoutError:
-                pass
-        return engine
+        """The engine in service to send to, once there is one. Raises when none is left, when every engine has
+        been down for ``no_engine_wait_s`` (see the module's docstring), or at ``deadline``."""
+        self.waiting_for_engine += 1
+        try:
+            while (engine := self._pick()) is None:
+                if (error := self.no_engine_left()) is not None:
+                    raise error
+                now, until = time.monotonic(), deadline
+                if self.no_engine_wait_s is not None and all(e.down for e in self.engines):
+                    since = max(e.down_since for e in self.engines)
+                    if now >= since + self.no_engine_wait_s:
+                        raise NoHealthyEngine(
+                            f"no engine can serve the request: every engine has failed, and none answered a health "
+                            f"check within {self.no_engine_wait_s:g} s of the last failure "
+                            f"({self.setting('no_engine_wait_s')}). {self.describe()}")
+                    until = min(deadline, since + self.no_engine_wait_s)
+                if now > deadline:
+                    raise NoHealthyEngine(f"no engine came back into service within {self.request_timeout_s:g} s "
+                                          f"({self.setting('request_timeout_s')}): {self.describe()}")
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=min(1.0, max(0.01, until - now)))
+                except asyncio.TimeoutError:
+                    pass
+            return engine
+        finally:
+            self.waiting_for_engine -= 1
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None,
                        return_logprob: bool = True, rid: str | None = None,
@@ -293,14 +327,21 @@ class Router:
         deadline = time.monotonic() + self.request_timeout_s
         last_error: Exception | None = None
         for attempt in range(self.max_retries + 1):
+            if time.monotonic() >= deadline:  # the attempts before took it all
+                raise NoHealthyEngine(f"request timed out after {self.request_timeout_s:g} s "
+                                      f"({self.setting('request_timeout_s')}) in {attempt} attempt(s); "
+                                      f"last error: {type(last_error).__name__}: {last_error}")
             engine = await self._wait_for_engine(deadline)
+            left_s = max(deadline - time.monotonic(), 1e-3)
             incarnation = engine.incarnation
             engine.outstanding += len(bodies)
             try:
-                answer = await self.post(engine, "/generate", body)
+                answer = await self.post(engine, "/generate", body, timeout_s=left_s)
             except EngineRequestError:
                 raise
-            except Exception as exc:  # connection refused or reset, engine died mid-request
+            except Exception as exc:  # connection refused or reset, engine died mid-request, no answer in time
+                if isinstance(exc, asyncio.TimeoutError) and not str(exc):
+                    exc = TimeoutError(f"no answer: timed out after {left_s:.3g} s")
                 last_error = exc
                 self._fail(engine, exc, incarnation)
                 if attempt < self.max_retries:
@@ -312,12 +353,16 @@ class Router:
             if not isinstance(answers, list) or len(answers) != len(bodies):
                 raise RuntimeError(f"{self.name(engine)} answered a batch of {len(bodies)} requests with "
                                    f"{len(answers) if isinstance(answers, list) else type(answers).__name__}")
+            instances = {a["meta_info"].get("engine_instance") for a in answers if isinstance(a, dict)}
+            if not all(self._same_instance(engine, instance) for instance in instances):
+                last_error = RuntimeError(f"{self.name(engine)} restarted: its answer is not of the weights pushed")
+                continue  # quarantined: its answers are dropped, the request goes to an engine in service
             engine.served += len(bodies)
             # SGLang reports its version as a string ("7", or "default" before any update)
             versions = [_version(a["meta_info"].get("weight_version")) for a in answers]
             engine.weight_version = max([v for v in versions if v is not None], default=engine.weight_version)
             return answers
-        raise NoHealthyEngine(f"request failed on {self.max_retries + 1} attempts (cluster.router.max_retries); "
+        raise NoHealthyEngine(f"request failed on {self.max_retries + 1} attempts ({self.setting('max_retries')}); "
                               f"last error: {type(last_error).__name__}: {last_error}")
 
     # -- failures -----------------------------------------------------------------------------------
@@ -328,12 +373,30 @@ class Router:
         if engine.down or (incarnation is not None and incarnation != engine.incarnation):
             return
         engine.down = engine.quarantined = True
+        engine.down_since = time.monotonic()
         engine.last_error = f"{type(error).__name__}: {error}"
         self.stats["engine_failures"] += 1
         log.warning("miles: %s failed and is quarantined: %s", self.name(engine), engine.last_error)
         self._changed.set()
 
-    def _describe(self) -> str:
+    def _same_instance(self, engine: EngineEndpoint, instance: Any) -> bool:
+        """Whether ``instance`` (what an answer says of the process that gave it) is the engine's: an engine that
+        answers as another process restarted where it was (the same address) and holds none of the weights pushed
+        to it. It is quarantined, as a failure, and serves again once caught up (:meth:`check`)."""
+        if not isinstance(instance, str):
+            return True  # SGLang tells nothing; a restarted server comes back at another address
+        if engine.instance is None or engine.down:
+            engine.instance = instance
+            return True
+        if instance == engine.instance:
+            return True
+        engine.instance = instance
+        self._fail(engine, RuntimeError(f"it answers as a new process ({instance}): it restarted in place, and "
+                                        f"holds none of the weights pushed to it"))
+        return False
+
+    def describe(self) -> str:
+        """Each engine and its last error, for the errors that say why no engine served a request."""
         return "; ".join(f"{self.name(e)}{' cannot restart' if e.gone else ''}, last error: {e.last_error or 'none'}"
                          for e in self.engines)
 
@@ -341,7 +404,7 @@ class Router:
         """The error to raise when every engine is gone for good, else None."""
         if all(e.gone for e in self.engines):
             return NoEngineLeft(f"no engine left: all {len(self.engines)} failed and none can come back. "
-                                   f"{self._describe()}")
+                                   f"{self.describe()}")
         return None
 
     # -- health -------------------------------------------------------------------------------------
@@ -365,6 +428,7 @@ class Router:
                         health = None
                     if isinstance(health, dict) and (version := _version(health.get("weight_version"))) is not None:
                         engine.weight_version = version
+                    self._same_instance(engine, health.get("instance") if isinstance(health, dict) else None)
             except EngineGone as exc:  # only a failed engine is looked up again: it is quarantined already
                 engine.gone = True
                 log.warning("miles: %s cannot come back: %s", self.name(engine), exc)

@@ -13,7 +13,7 @@ from miles.models.sampling import scaled_logits, truncated_logits
 
 torch = lazy_module("torch")
 
-__all__ = ["SamplingParams", "sample_next", "shown", "top_logprobs", "MAX_SAMPLES", "MAX_TOP_K"]
+__all__ = ["SamplingParams", "sample_next", "per_position", "shown", "top_logprobs", "MAX_SAMPLES", "MAX_TOP_K"]
 
 
 # The largest values the engine takes: top_k as SGLang keeps it (int32), and the samples one request may ask for
@@ -157,6 +157,24 @@ def sample_next(
     if bool(greedy.any()):
         sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
     return sampled, scaled, drawn
+
+
+def per_position(params: SamplingParams, prompt: int, outputs: int, logprobs_of: str,
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """The distribution of each position of a prompt's ``prompt`` predictions and ``outputs`` sampled tokens, as
+    :func:`miles.models.hf.exact_logprobs` takes it: the model's for the prompt, ``params``' for the outputs
+    (``logprobs_of``, :mod:`miles.models.sampling`)."""
+    if logprobs_of == "model":
+        return {}
+
+    def column(value: float, neutral: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([neutral] * prompt + [value] * outputs, dtype=dtype, device=device)
+
+    out = {"temperature": column(float(params.temperature), 1.0, torch.float32)}
+    if logprobs_of == "truncated":
+        out["top_p"] = column(float(params.top_p), 1.0, torch.float32)
+        out["top_k"] = column(params.top_k, -1, torch.long)
+    return out
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:

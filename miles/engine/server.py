@@ -22,7 +22,6 @@ must satisfy before it reaches an endpoint (host, origin, admin token, content t
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,8 +32,8 @@ from aiohttp import web
 from safetensors.torch import load as load_safetensors
 
 from miles.engine.http_guard import (
-    LOOPBACK, MAX_REQUEST_BYTES, MAX_WEIGHT_REQUEST_BYTES, OCTET_STREAM, POLICY, QUIET_MALFORMED, WEIGHT_PATH, Policy,
-    Refused, error_answer, guard, json_answer, json_body, read_body,
+    MAX_REQUEST_BYTES, MAX_WEIGHT_REQUEST_BYTES, OCTET_STREAM, POLICY, WEIGHT_PATH, Policy, Refused, error_answer,
+    guarded_app, json_answer, json_body, listen_hosts, read_body,
 )
 from miles.engine.generate_input import generate_requests
 from miles.engine.local import EngineUnavailable, LocalEngine
@@ -70,6 +69,8 @@ async def generate(request: web.Request) -> web.Response:
     except ValueError as exc:
         return error_answer(400, str(exc))
     answers = await asyncio.gather(*(engine.run(r) for r in requests))
+    for answer in answers:  # which process answered: a router refuses answers of an engine restarted in place
+        answer["meta_info"]["engine_instance"] = engine.instance
     return json_answer(answers if batched else answers[0])
 
 
@@ -77,8 +78,10 @@ async def generate(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness: the server answers (also while its memory is released)."""
-    return json_answer({"status": "ok", "weight_version": request.app[ENGINE].weight_version})
+    """Liveness: the server answers (also while its memory is released), with its weights' version and its
+    ``instance`` (new in every engine process: a router tells a restarted engine by it, whatever its address)."""
+    engine = request.app[ENGINE]
+    return json_answer({"status": "ok", "weight_version": engine.weight_version, "instance": engine.instance})
 
 
 async def health_generate(request: web.Request) -> web.Response:
@@ -426,13 +429,9 @@ def build_app(engine: LocalEngine, admin_token: str = "", *, max_request_bytes: 
               max_weight_request_bytes: int = MAX_WEIGHT_REQUEST_BYTES,
               allowed_hosts: tuple[str, ...] = ()) -> web.Application:
     """The HTTP application of ``engine``; see the module's docstring for the checks each request passes."""
-    logger = logging.getLogger("aiohttp.server")
-    if QUIET_MALFORMED not in logger.filters:
-        logger.addFilter(QUIET_MALFORMED)
-    app = web.Application(client_max_size=max(max_request_bytes, max_weight_request_bytes), middlewares=[guard])
+    app = guarded_app(Policy(admin_token, max_request_bytes, max_weight_request_bytes,
+                             frozenset(h.lower() for h in allowed_hosts)))
     app[ENGINE] = engine
-    app[POLICY] = Policy(admin_token, max_request_bytes, max_weight_request_bytes,
-                         frozenset(h.lower() for h in allowed_hosts))
     app[GROUPS] = {}
     app[SHM_FILE] = []
     app.router.add_post("/generate", generate)
@@ -469,17 +468,13 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 30000, seed: int = 0,
           engine_args: dict[str, Any] | None = None) -> None:
     """``engine_args``: more arguments of :class:`LocalEngine` (``max_batch_size``, ``prefix_cache_tokens``,
     ``exact_logprobs`` ...), as ``rollout.engine`` gives them."""
-    if host not in LOOPBACK and not admin_token:
-        raise ValueError(f"--host {host}: serving beyond loopback needs an admin token "
-                         f"(--admin-token or MILES_ADMIN_TOKEN)")
+    allowed_hosts = listen_hosts(host, port, admin_token, allowed_hosts)
     limits = [("--max-request-mib", max_request_bytes), ("--max-weight-request-mib", max_weight_request_bytes)]
     for name, value in limits:
         if value <= 0:
             raise ValueError(f"{name}: expected a size above 0, got {value / 2**20:g}")
     engine = LocalEngine(**{"seed": seed, "device": device, "dtype": dtype, **(engine_args or {}), "background": True})
     engine.load_model(model)
-    if host not in LOOPBACK | {"0.0.0.0", "::", ""}:  # the name it was started with, e.g. --host node7.cluster
-        allowed_hosts = (*allowed_hosts, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     app = build_app(engine, admin_token, max_request_bytes=max_request_bytes,
                     max_weight_request_bytes=max_weight_request_bytes, allowed_hosts=allowed_hosts)
     print(f"miles engine serving {model} on http://{host}:{port}", flush=True)

@@ -9,6 +9,7 @@ schedule's (:mod:`miles.loop.schedules`), which composes collect -> learn -> pus
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,9 +18,11 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from miles.errors import RunError
 from miles.hookspecs import NeedsValues
 from miles.loop.distill import Teacher, distill_advantages
 from miles.loop.trajectories import TrajectoryWriter
+from miles.train.losses import NonFiniteLoss
 from miles.train.regularizers import kl_estimate, regularized
 from miles.types import Group, Sample, TrainBatch
 
@@ -91,12 +94,16 @@ class Learner:
                 batch.advantages, distilled = distill_advantages(batch, teacher_logprobs, self.teacher.kl_coef,
                                                                  self.teacher.reward_coef)
                 metrics.update(distilled)
+            self._check_advantages(step, batch, rows)
             metrics["train/nonzero_adv_frac"] = float((batch.advantages.abs().sum(dim=1) > 0).float().mean())
             if self.trajectories is not None:
                 self._show(step, groups, train_samples, batch)
             train_start = time.perf_counter()
             advantage_s = train_start - advantage_start
-            metrics.update(self.backend.train_step(batch, self.loss_fn))
+            try:
+                metrics.update(self.backend.train_step(batch, self.loss_fn))
+            except NonFiniteLoss as exc:
+                raise RunError(f"step {step}: {exc}") from None
             train_s = time.perf_counter() - train_start
             metrics["train/tokens_per_s"] = int(batch.attention_mask.sum()) / train_s
         else:
@@ -108,6 +115,21 @@ class Learner:
         metrics["time/logprob_s"] = logprob_s
         metrics["time/advantage_s"] = advantage_s
         return trains
+
+    def _check_advantages(self, step: int, batch: TrainBatch, rows: list[Sample]) -> None:
+        """Stop the run (RunError) before anything trains when an advantage is NaN or infinite: the loss, the
+        gradients and then every weight would be NaN, and the run would stop only at the weight push, naming the
+        weights. The error names the estimator and the rewards of the rows concerned."""
+        bad = (~torch.isfinite(batch.advantages)).any(dim=1).nonzero().flatten().tolist()
+        if not bad:
+            return
+        fn = self.advantage_fn.func if isinstance(self.advantage_fn, functools.partial) else self.advantage_fn
+        name = getattr(fn, "__name__", type(fn).__name__)
+        rewards = sorted({rows[i].scalar_reward for i in bad}, key=abs, reverse=True)
+        shown = ", ".join(f"{r:g}" for r in rewards[:5]) + (f" and {len(rewards) - 5} more" if len(rewards) > 5
+                                                             else "")
+        raise RunError(f"step {step}: advantage {name!r} gave NaN or infinite advantages for {len(bad)} of "
+                       f"{len(rows)} samples, whose rewards are {shown}; nothing was trained")
 
     def _show(self, step: int, groups: list[Group], train_samples: list[Sample], batch: TrainBatch | None) -> None:
         """Write the step's first groups for people to read, with the trainer's log-probs of the weights that are

@@ -16,7 +16,8 @@ sampled any of its tokens. Admission is paced so that no more groups are in the 
 buffered, or in the trainer's hands) than ``max_staleness + 1`` steps consume: in order, every one of
 them is trained within ``max_staleness`` versions. A group that still ends up older (it finished late)
 is never trained: dropped, or its prompt generated again first (``stale: retry``). The trainer takes
-the oldest buffered groups first. With ``max_staleness: 0`` the stream does exactly what ``sync`` does.
+the oldest buffered groups first. ``max_staleness: 0`` is ``sync``, and runs as such
+(:func:`miles.config.prepared.resolve_schedule`) unless ``max_concurrent_samples`` caps the stream.
 
 Weight updates while generating (``update``): ``pause`` holds new requests and lets those running finish
 on the old weights, then updates; ``abort`` aborts the running requests (they keep their tokens), updates,

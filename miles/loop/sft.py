@@ -37,7 +37,8 @@ def conversation_sample(prompt: Prompt, tokenizer: Any, messages: Any, key: str 
     """A multi-turn SFT sample, token for token as ``multi_turn`` would record it: the prompt through the
     chat template, each assistant message's ``content`` as the exact text the policy generates (tool calls
     written inline, as the tool parser reads them) plus the end-of-turn token (loss mask 1), the other
-    messages as the template's suffix (loss mask 0)."""
+    messages as the template's suffix (loss mask 0). ``messages`` is the conversation after the prompt; one that
+    starts with the prompt's own messages (the whole conversation, as chat datasets hold it) starts after them."""
     from miles.agentic.chat import Conversation, normalize_messages
 
     if not isinstance(messages, list) or not messages:
@@ -45,6 +46,8 @@ def conversation_sample(prompt: Prompt, tokenizer: Any, messages: Any, key: str 
     first = normalize_messages(prompt.prompt, role="user")
     conversation = Conversation(tokenizer, first)
     sample = Sample(prompt_ids=list(conversation.prompt_ids), prompt=prompt.prompt, label=prompt.label, reward=0.0)
+    if [_said(m) for m in messages[:len(first)]] == [_said(m) for m in first]:
+        messages = messages[len(first):]
     pending: list[dict] = []
     for message in messages:
         if message.get("role") != "assistant":
@@ -54,10 +57,16 @@ def conversation_sample(prompt: Prompt, tokenizer: Any, messages: Any, key: str 
             sample.append(conversation.extend(pending), None, from_policy=False)
             pending = []
         text = str(message.get("content") or "")
-        sample.append(conversation.encode(text) + [conversation.eot_id], None, from_policy=True)
-        conversation.add_policy_turn({"role": "assistant", "content": text})
+        turn = conversation.encode(text) + [conversation.eot_id]
+        sample.append(turn, None, from_policy=True)
+        conversation.add_policy_turn({"role": "assistant", "content": text}, turn)
     sample.status = SampleStatus.COMPLETED
     return sample
+
+
+def _said(message: Any) -> tuple[Any, str] | None:
+    """Who said what in ``message``: its role and text content."""
+    return (message.get("role"), str(message.get("content") or "")) if isinstance(message, dict) else None
 
 
 def sft_step(data: PromptSource, tokenizer: Any, batch_size: int, backend: Any, loss_fn: Callable, pad_token_id: int,

@@ -28,8 +28,8 @@ from transformers.utils import logging as hf_logging
 from miles.errors import ConfigError
 from miles.models.sampling import distribution_logits
 
-__all__ = ["build_char_tokenizer", "build_model_dir", "context_length", "exact_logprobs", "load_model",
-           "load_tokenizer", "save_pretrained"]
+__all__ = ["build_char_tokenizer", "build_model_dir", "chat_template_problem", "context_length", "exact_logprobs",
+           "load_model", "load_tokenizer", "read_chat_template", "save_pretrained", "set_chat_template"]
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
@@ -60,7 +60,7 @@ def build_char_tokenizer(alphabet: str, special_tokens: Sequence[str] = (), adde
     if added_tokens:
         fast.add_tokens(list(added_tokens))
     if chat_template:
-        fast.chat_template = read_chat_template(chat_template)
+        set_chat_template(fast, chat_template, "model.tokenizer.chat_template")
     return fast
 
 
@@ -68,14 +68,65 @@ TEMPLATES_DIR = Path(__file__).parent.parent / "templates"
 
 
 def read_chat_template(name_or_path: str, where: str = "model.tokenizer.chat_template") -> str:
-    """The Jinja text of a chat template file, or of one shipped with Miles (by name, without ``.jinja``)."""
-    shipped = TEMPLATES_DIR / f"{name_or_path}.jinja"
-    path = shipped if shipped.is_file() else Path(name_or_path)
+    """The Jinja text of a chat template file, or of one shipped with Miles (by name, without ``.jinja``), compiled
+    once as ``apply_chat_template`` compiles it: a syntax error or an unknown filter or test is a ConfigError naming
+    ``where``, the file and the line, before anything renders with it."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    path = _template_path(name_or_path)
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja")))
         raise ConfigError(f"{where}: {name_or_path!r} is neither a file nor a shipped "
                           f"template ({known})")
-    return path.read_text()
+    text = path.read_text()
+    try:
+        _compile_jinja_template(text)
+    except TemplateSyntaxError as exc:  # an unknown filter or test too (TemplateAssertionError)
+        line, what = chat_template_problem(exc)
+        raise ConfigError(f"{where}: chat template {str(path)!r}, line {line}: {what}") from None
+    return text
+
+
+def set_chat_template(tokenizer: PreTrainedTokenizerBase, name_or_path: str, where: str) -> None:
+    """Make :func:`read_chat_template`'s template the tokenizer's, rendered once on the least any chat has (one user
+    message and the generation prompt): a template that raises there (``raise_exception``, or an error in its own
+    code, such as adding a number to a string) is a ConfigError naming ``where``, the file and the line, at start
+    rather than in the middle of a run."""
+    tokenizer.chat_template = read_chat_template(name_or_path, where)
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True,
+                                      tokenize=False)
+    except Exception as exc:
+        problem = chat_template_problem(exc)
+        if problem is None:  # not the template's own code: a bug elsewhere, whose traceback is wanted
+            raise
+        raise ConfigError(f"{where}: chat template {str(_template_path(name_or_path))!r}, line {problem[0]}: "
+                          f"{problem[1]} (rendering a conversation of one user message)") from None
+
+
+def _template_path(name_or_path: str) -> Path:
+    """The file of a shipped template's name, else the path as given."""
+    shipped = TEMPLATES_DIR / f"{name_or_path}.jinja"
+    return shipped if shipped.is_file() else Path(name_or_path)
+
+
+def chat_template_problem(exc: BaseException) -> tuple[int, str] | None:
+    """``(line, what went wrong)`` for an error that compiling or rendering a chat template raised (Jinja reports a
+    syntax error's line; a render error has the template's own frame, ``<template>``, in its traceback); None when
+    ``exc`` did not come from a template."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    if isinstance(exc, TemplateSyntaxError):
+        return exc.lineno, str(exc.message)
+    line, tb = None, exc.__traceback__
+    while tb is not None:  # the innermost frame of the template (a macro's, when one raised)
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    if line is None:
+        return None
+    return line, (f"it raised {str(exc)!r}" if type(exc) is TemplateError else f"{type(exc).__name__}: {exc}")
 
 
 def build_tokenizer(cfg) -> PreTrainedTokenizerBase:
@@ -92,7 +143,7 @@ def build_tokenizer(cfg) -> PreTrainedTokenizerBase:
     if cfg.added_tokens:
         tokenizer.add_tokens([t for t in cfg.added_tokens if t not in tokenizer.get_vocab()])
     if cfg.chat_template:
-        tokenizer.chat_template = read_chat_template(cfg.chat_template)
+        set_chat_template(tokenizer, cfg.chat_template, "model.tokenizer.chat_template")
     return tokenizer
 
 

@@ -20,6 +20,7 @@ import functools
 import inspect
 import math
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from miles.interrupts import TimedOut, failure_reason, time_limit, within
 from miles.rewards.labels import declared_label_types, is_empty_label, label_problem, show_label
 from miles.types import Sample
 
-__all__ = ["HUNG_AFTER", "reward_name", "score_samples", "score_samples_async"]
+__all__ = ["HUNG_AFTER", "max_abs_reward", "reward_name", "score_samples", "score_samples_async"]
 
 HUNG_AFTER = 3  # calls of a plain reward in a row past its time limit that make it hung: the rest are not scored
 
@@ -79,8 +80,16 @@ def _without_labels(samples: list[Sample], reward_fn: Callable) -> list[Sample]:
     return scorable
 
 
-def _check(sample: Sample, value: Any) -> None:
-    """Record a reward, or fail the sample if it is not a finite number (or dict with a finite score)."""
+def max_abs_reward(reward_fn: Callable) -> float | None:
+    """The largest reward magnitude a sample may have (``reward.max_abs``, marked on the stage's wrapper by
+    :meth:`miles.config.prepared.Prepared.build`); None for a reward called without it (no bound but finiteness)."""
+    return getattr(reward_fn, "miles_max_abs", None)
+
+
+def _check(sample: Sample, value: Any, reward_fn: Callable) -> None:
+    """Record a reward, or fail the sample if it is not a finite number (or dict with a finite score) within
+    ``reward.max_abs``: a reward near float's range (1e308) turns the group's advantages, the loss and then the
+    weights into NaN, and the run would stop at the weight push naming the weights, not the reward."""
     score = value.get("score") if isinstance(value, dict) else value
     if isinstance(value, dict) and "score" not in value:
         sample.fail(f"reward: returned a dict without a 'score' entry (keys: {', '.join(map(str, value))})")
@@ -88,10 +97,36 @@ def _check(sample: Sample, value: Any) -> None:
     if isinstance(score, bool) or not isinstance(score, (int, float)):
         sample.fail(f"reward: returned {type(score).__name__} {score!r}, expected a number")
         return
-    if not math.isfinite(score):
-        sample.fail(f"reward: returned a non-finite value {score!r}")
+    extras = {k: _as_float(v) for k, v in value.items()} if isinstance(value, dict) else {}
+    if (bad := next((k for k, v in extras.items() if v is None), None)) is not None:
+        shown = repr(value[bad]) if not isinstance(value[bad], int) else f"of {value[bad].bit_length()} bits"
+        sample.fail(f"reward: returned a dict whose {bad!r} entry is {type(value[bad]).__name__} {shown}, expected a "
+                    f"number (a float holds it)")
         return
-    sample.reward = {k: float(v) for k, v in value.items()} if isinstance(value, dict) else float(score)
+    if isinstance(score, int) and abs(score) > sys.float_info.max:
+        sample.fail(f"reward: reward {reward_name(reward_fn)!r} returned an integer too large for a float "
+                    f"({score.bit_length()} bits)")
+        return
+    if not math.isfinite(score):
+        sample.fail(f"reward: reward {reward_name(reward_fn)!r} returned a non-finite value {score!r}")
+        return
+    bound = max_abs_reward(reward_fn)
+    if bound is not None and abs(score) > bound:
+        sample.fail(f"reward: reward {reward_name(reward_fn)!r} returned {score!r}, beyond reward.max_abs={bound:g} "
+                    f"(a reward that large overflows the advantages and the loss; raise reward.max_abs if it is "
+                    f"meant)")
+        return
+    sample.reward = extras if isinstance(value, dict) else float(score)
+
+
+def _as_float(value: Any) -> float | None:
+    """A reward dict's entry as a float (a bool counts); None when it is no number or too large for a float."""
+    if not isinstance(value, (bool, int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float's range
+        return None
 
 
 def score_samples(samples: list[Sample], reward_fn: Callable) -> None:
@@ -148,7 +183,7 @@ async def _score_plain_limited(samples: list[Sample], reward_fn: Callable, timeo
                 if error is not None:
                     sample.fail(_reason(error, name))
                 else:
-                    _check(sample, value)
+                    _check(sample, value, reward_fn)
                 if streak >= HUNG_AFTER:  # awaitables past the limit: the thread is free, the reward still hung
                     samples = todo[i + 1:]
                     break
@@ -242,7 +277,7 @@ async def _score_one(sample: Sample, reward_fn: Callable) -> None:
     except Exception as exc:
         sample.fail(_reason(exc, reward_name(reward_fn)))
         return
-    _check(sample, value)
+    _check(sample, value, reward_fn)
 
 
 async def _score_batch(samples: list[Sample], reward_fn: Callable) -> None:
@@ -255,7 +290,7 @@ async def _score_batch(samples: list[Sample], reward_fn: Callable) -> None:
             sample.fail(_reason(exc, reward_name(reward_fn)))
         return
     for sample, value in zip(samples, values):
-        _check(sample, value)
+        _check(sample, value, reward_fn)
 
 
 async def _call(reward_fn: Callable, arg: Any) -> Any:

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from miles.agentic.sandboxes.pool import SandboxPool
 from miles.agentic.sandboxes.remote import RemoteSandbox
-from miles.config.validate import resolve_tool, split_node
+from miles.config.validate import resolve_tool, split_node, tito_on_mismatch
 from miles.errors import RunError
 from miles.cluster import cores
 from miles.engine.process import separate_process, start_engine_process
@@ -148,7 +148,7 @@ def rollout_context(p: Any, plane: RolloutPlane, tokenizer: Any, model_path: str
     ctx = RolloutContext(
         engine=plane.client, tokenizer=tokenizer, run=plane.run, context_length=context_length(model_path),
         sampling_params=OmegaConf.to_container(rollout.sampling), tool_parser=tool_parser, chat_format=chat_format,
-        tito_on_mismatch=str(rollout.tito.on_mismatch), seed=seed, images=ImageEncoder.of(model_path),
+        tito_on_mismatch=tito_on_mismatch(p.config, p.registry), seed=seed, images=ImageEncoder.of(model_path),
         tool=lambda name: resolve_tool(p.registry, name, "rollout.env.tools"), **fields)
     if rollout.env is not None:
         ctx.env = p.build("env", "rollout.env")

@@ -21,7 +21,7 @@ class RolloutContext:
     sandbox: Callable[[], Any] | None = None  # sandbox factory: sandbox() -> a fresh sandbox
     tool_parser: Any = None
     chat_format: Any = None  # miles.agentic.chat_format.BoundFormat: how the model family talks (model.chat_format)
-    tito_on_mismatch: str = "fail"  # rollout.tito.on_mismatch: fail | split | retokenize
+    tito_on_mismatch: str = "split"  # rollout.tito.on_mismatch (auto resolved): fail | split | retokenize
     tool: Callable[[str], Any] | None = None  # a registered tool by name
     seed: int = 0
     # Set by the collector once a partial-rollout batch is full: trajectories stop before their next turn.

@@ -41,14 +41,15 @@ class Rows(list):
     JSONL file, its 1-based row number in a Parquet file. A slice keeps the lines of its rows."""
 
     def __init__(self, rows: Iterable[dict[str, Any]] = (), lines: Iterable[int] = (),
-                 folder: Path | None = None) -> None:
+                 path: Path | None = None) -> None:
         super().__init__(rows)
         self.lines = list(lines)
-        self.folder = folder  # the file's folder: relative image paths are taken from it
+        self.path = path  # the file, which errors name
+        self.folder = path.parent if path is not None else None  # relative image paths are taken from it
 
     def __getitem__(self, item: Any) -> Any:
         if isinstance(item, slice):
-            return Rows(super().__getitem__(item), self.lines[item], self.folder)
+            return Rows(super().__getitem__(item), self.lines[item], self.path)
         return super().__getitem__(item)
 
 
@@ -78,7 +79,7 @@ def read_rows(path: str | Path, prompt_key: str, label_key: str | None, images: 
                 f"{', '.join(columns)}. Set {what} to the column that holds it."
             )
     _check_prompts_present(path, raw, lines, prompt_key)
-    rows = Rows(({column: row.get(column) for column in columns} for row in raw), lines, path.parent)
+    rows = Rows(({column: row.get(column) for column in columns} for row in raw), lines, path)
     if (holding := check_images(rows, path, prompt_key)) and not images:
         first = next(line for row, line in zip(rows, lines) if image_refs(row[prompt_key]))
         raise DataError(f"data file {str(path)!r}, line {first}: the prompt holds images ({holding} prompt(s) of the "
@@ -176,7 +177,19 @@ def encode_rows(rows: list[dict[str, Any]], tokenizer: Any, *, prompt_key: str, 
     lines = getattr(rows, "lines", None) or [None] * len(rows)
     prompts = []
     for i, (row, line) in enumerate(zip(rows, lines)):
-        ids, held = encode_prompt(tokenizer, row[prompt_key], use_template), ()
+        try:
+            ids, held = encode_prompt(tokenizer, row[prompt_key], use_template), ()
+        except Exception as exc:
+            from miles.models.hf import chat_template_problem
+
+            if (problem := chat_template_problem(exc)) is None:  # not the template's code: a bug, with its traceback
+                raise
+            path = getattr(rows, "path", None)
+            place = f"data file {str(path)!r}, " if path is not None else ""
+            raise DataError(f"{place}{f'line {line}' if line else f'row {i + 1}'}: the chat template cannot render "
+                            f"this prompt: at its line {problem[0]}, {problem[1]} (the template of "
+                            f"model.chat_template, else the tokenizer's own; data.chat_template: false encodes "
+                            f"prompts without it)") from None
         if images is not None and (refs := image_refs(row[prompt_key])):
             try:
                 ids, held = images.encode(ids, refs, getattr(rows, "folder", None))
@@ -204,18 +217,25 @@ def check_labels(prompts: Sequence[Prompt], path: str | Path, label_key: str, ne
             f"data file {path!r}: no row has a {label_key!r} (data.label_key), the reference answer that "
             f"{need.subject} needs; {columns}. Set data.label_key to the column that holds them{instead}")
     missing = [q.line or q.index + 1 for q in prompts if is_empty_label(q.label)]
+    wrong = [(q, problem) for q in prompts
+             if not is_empty_label(q.label) and (problem := label_problem(q.label, need.types)) is not None]
+    problems = []
     if missing:
-        raise DataError(
-            f"data file {path!r}: {_places(path, missing)} ({len(missing)} of {len(prompts)} rows) "
-            f"{'has' if len(missing) == 1 else 'have'} no {label_key!r} (data.label_key; missing, null or empty), "
-            f"which {need.subject} needs. Add the labels, or remove those rows")
-    wrong = [(q, problem) for q in prompts if (problem := label_problem(q.label, need.types)) is not None]
+        problems.append(f"{_places(path, missing)} ({len(missing)} of {len(prompts)} rows) "
+                        f"{'has' if len(missing) == 1 else 'have'} no {label_key!r} (data.label_key; missing, null or "
+                        f"empty), which {need.subject} needs")
     if wrong:
         first, problem = wrong[0]
         also = [q.line or q.index + 1 for q, _ in wrong[1:]]
-        raise DataError(
-            f"data file {path!r}, {where_in_file(path, first)}: {need.subject} cannot use its {label_key!r}: "
-            f"{problem}{f' ({_places(path, also)} too)' if also else ''}")
+        problems.append(f"{where_in_file(path, first)}: {need.subject} cannot use its {label_key!r}: "
+                        f"{problem}{f' ({_places(path, also)} too)' if also else ''}")
+    if len(problems) == 2:  # both kinds at once, so that one run names every row to fix
+        raise DataError(f"data file {path!r}: {problems[0]}; and {problems[1]}. Add or correct the labels, or remove "
+                        f"those rows")
+    if missing:
+        raise DataError(f"data file {path!r}: {problems[0]}. Add the labels, or remove those rows")
+    if wrong:
+        raise DataError(f"data file {path!r}, {problems[0]}")
 
 
 def check_images(rows: Rows, path: str | Path, prompt_key: str, max_pixels: int = MAX_PIXELS) -> int:

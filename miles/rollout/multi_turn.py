@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.agentic.chat import Conversation, NotAppendOnly, normalize_messages
+from miles.agentic.chat import Conversation, NotAppendOnly, first_differing_token, normalize_messages
 from miles.agentic.metrics import TITO_STATS, TOOL_STATS
 from miles.agentic.turns import read_turn
 from miles.agentic.types import Action, EnvContext, ToolResult
@@ -91,6 +91,8 @@ class MultiTurn:
             else:
                 sample.off_policy_tokens = len(sample.response_ids)
             keep = await self._turns(trajectory, sample, ctx)
+            if not keep and sample.status is not SampleStatus.FAILED:
+                self._finish(trajectory.conversation, sample, ctx.tito_on_mismatch)
         finally:
             if keep:
                 self._suspended[key] = trajectory
@@ -184,7 +186,7 @@ class MultiTurn:
                                                "error": c.error} for c in checked.calls]
             stats["parse_errors"] += checked.parse_errors
             stats["schema_errors"] += checked.schema_errors
-            conversation.add_policy_turn(turn.message, turn_ids[-1] if turn_ids else None, cut=cut)
+            conversation.add_policy_turn(turn.message, turn_ids, cut=cut)
             # Calls that cannot run are answered here, with the reason; the env sees the valid ones only.
             messages = [{"role": "tool", "name": c.name, "tool_call_id": c.id, "content": f"error: {c.error}"}
                         for c in checked.calls if c.error is not None]
@@ -238,7 +240,7 @@ class MultiTurn:
                          images=conversation.images)
             return []
         held = sample.prompt_ids + sample.response_ids
-        same = next((i for i, (a, b) in enumerate(zip(held, rendered)) if a != b), min(len(held), len(rendered)))
+        same = first_differing_token(held, rendered)
         if same < len(sample.prompt_ids):
             sample.fail(f"rollout: {exc}; rollout.tito.on_mismatch=retokenize cannot re-render a changed prompt")
             return None
@@ -246,6 +248,22 @@ class MultiTurn:
         sample.truncate_response(same - len(sample.prompt_ids))
         sample.images = list(conversation.images)  # the rendering's: kept and re-rendered images alike
         return rendered[same:]
+
+    @staticmethod
+    def _finish(conversation: Conversation, sample: Sample, on_mismatch: str) -> None:
+        """The trajectory ended: its tokens held against the template's rendering of the whole conversation. A
+        difference there (the template renders a finished conversation otherwise, e.g. drops the reasoning of its
+        turns once an answer follows) is counted and recorded (``metadata["tito_final"]``); ``fail`` fails the
+        sample. ``split`` and ``retokenize`` keep it as generated: every prompt the policy saw was the template's
+        rendering, and nothing follows that a re-rendering would change."""
+        exc = conversation.finish()
+        if exc is None:
+            return
+        sample.metadata["tito"]["final_mismatches"] += 1
+        sample.metadata["tito_final"] = str(exc)
+        if on_mismatch == "fail":
+            sample.metadata["tito"]["mismatches"] += 1
+            sample.fail(f"rollout: {exc} (rollout.tito.on_mismatch=fail)")
 
     @staticmethod
     def _count_results(valid: list, results: list[ToolResult] | None, stats: dict[str, int],

@@ -8,8 +8,9 @@ A checkpoint is ``<run.dir>/checkpoints/step_<k>/`` (``k`` RL steps done):
   the plugin stack with versions (read before anything else, to refuse a mismatch) and the size of
   every other file of the checkpoint.
 
-It is written under a hidden temporary name and renamed into place when complete, so a run killed
-mid-write leaves no ``step_*`` directory behind, and only complete ones are ever resumed from.
+It is written under a hidden temporary name (``.step_<k>.<random>``) and renamed into place when complete, so a run
+killed mid-write leaves no ``step_*`` directory behind, and only complete ones are ever resumed from; the hidden
+folder such a run leaves is removed when the run dir is used again (:func:`remove_partial_checkpoints`).
 A checkpoint damaged later (a truncated file, a size that differs from the one recorded) is skipped
 with a warning that names the file, and the run resumes from the newest intact one.
 """
@@ -32,9 +33,11 @@ import torch
 from miles.errors import ConfigError, RunError, disk_cause
 
 __all__ = ["Checkpoint", "save_checkpoint", "latest_checkpoint", "newest_intact_checkpoint", "damage",
-           "check_compatible", "model_signature", "resume_hint"]
+           "check_compatible", "model_signature", "resume_hint", "remove_partial_checkpoints"]
 
 _NAME = re.compile(r"^step_(\d+)$")
+# The hidden folder a checkpoint is written in: ``.step_<k>.`` and the 8 characters tempfile.mkdtemp adds.
+_PARTIAL = re.compile(r"^\.step_\d+\.[a-z0-9_]{8}$")
 # Fields of an HF config.json that do not change what a checkpoint's weights mean.
 _IGNORED_MODEL_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache"}
 
@@ -77,7 +80,7 @@ def save_checkpoint(root: Path, state: dict[str, Any], loop_state: dict[str, Any
             shutil.rmtree(final)
         os.replace(tmp, final)
     except Exception as exc:
-        if (why := _out_of_disk(root, exc)) is not None:
+        if (why := _disk_refusal(root, final, tmp, exc)) is not None:
             raise RunError(f"checkpoint {final.name} could not be written under {str(root)!r}: {why}; the "
                            f"checkpoints before it are intact: free space there, then continue with "
                            f"run.resume=true") from exc
@@ -89,17 +92,69 @@ def save_checkpoint(root: Path, state: dict[str, Any], loop_state: dict[str, Any
     return final
 
 
-def _out_of_disk(root: Path, exc: Exception) -> str | None:
-    """Why a write under ``root`` failed, when the disk is the cause. A backend's writer does not always say it
-    (torch.save raises a RuntimeError, a Ray actor a RayTaskError): the file system's free space does."""
-    if (cause := disk_cause(exc)) is not None:
-        return cause
+def remove_partial_checkpoints(root: Path) -> list[str]:
+    """Remove the hidden folders of checkpoint writes that never completed under ``root``; their names.
+
+    A run killed while it wrote a checkpoint leaves one, and a trainer in a process of its own
+    (``backend.separate_process``) may still write into one after an interrupted run removed it. Only names of the
+    form :func:`save_checkpoint` gives them (``.step_<k>.<8 characters>``) are touched; nothing else is ours. The
+    caller holds the run directory (:class:`miles.run.lock.RunDirLock`), so no other run is writing one."""
+    removed = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        if _PARTIAL.match(path.name) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
+
+
+def _disk_refusal(root: Path, final: Path, tmp: Path, exc: Exception) -> str | None:
+    """Why the checkpoint ``final``, written in ``tmp``, failed, when the disk is the cause: what the disk said, the
+    file being written, the bytes free, and the size of the last checkpoint (about what this one needs). None for
+    any other failure.
+
+    A backend's writer does not always say that the disk is full (torch.save raises a RuntimeError, a Ray actor a
+    RayTaskError, a trainer process the error it got) nor which file it wrote: the file system's free space says
+    the first, and the entry of ``tmp`` changed last the second (a backend writes one file at a time; one that
+    removed its own temporary folder leaves the folder it was in as the one changed last)."""
     try:
         stats = os.statvfs(root)
+        free: int | None = stats.f_bavail * stats.f_frsize
     except OSError:
-        return None
-    free = stats.f_bavail * stats.f_frsize
-    return f"no space left on the device ({free} bytes free)" if free < _NEARLY_FULL else None
+        free = None
+    if (cause := disk_cause(exc)) is None:
+        if free is None or free >= _NEARLY_FULL:
+            return None
+        cause = "no space left on the device"
+    failed = _failed_file(exc) or _changed_last(tmp)
+    if failed is not None and Path(failed).is_relative_to(tmp):  # the hidden folder goes: named as the checkpoint's
+        failed = str(final / Path(failed).relative_to(tmp)) + ("/" if Path(failed).is_dir() else "")
+    figures = [f"{free} bytes free there"] if free is not None else []
+    if (last := latest_checkpoint(root)) is not None:
+        size = sum(f.stat().st_size for f in last.path.rglob("*") if f.is_file())
+        figures.append(f"a checkpoint needs about {size} bytes: {last.path.name} takes that")
+    where = f" while writing {failed}" if failed else ""
+    return f"{cause}{where} ({'; '.join(figures)})" if figures else f"{cause}{where}"
+
+
+def _changed_last(folder: Path) -> str | None:
+    """The entry under ``folder`` changed last (one that vanishes meanwhile is passed over)."""
+    newest: tuple[int, str] | None = None
+    for entry in folder.rglob("*") if folder.is_dir() else []:
+        try:
+            changed = (entry.lstat().st_mtime_ns, str(entry))
+        except OSError:
+            continue
+        newest = max(newest or changed, changed)
+    return newest[1] if newest else None
+
+
+def _failed_file(exc: BaseException | None) -> str | None:
+    """The file named by the OSError ``exc`` is, or was raised from; None when none names one."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.filename:
+            return str(exc.filename)
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 _NEARLY_FULL = 1 << 20

@@ -28,7 +28,7 @@ from miles.config.validate import component_node
 from miles.loop.distill import check_teacher
 from miles.errors import ConfigError, DataError
 from miles.loop.evaluation import EvalSet, read_eval_sets
-from miles.models.hf import build_model_dir, context_length, load_tokenizer, read_chat_template
+from miles.models.hf import build_model_dir, context_length, load_tokenizer, set_chat_template
 from miles.rewards.labels import LabelNeed, label_need
 from miles.models.vision import ImageEncoder
 from miles.rollout.data_source import Prompt, check_labels, check_unknown_tokens, encode_rows, read_rows, where_in_file
@@ -225,7 +225,7 @@ def run_tokenizer(p: Any, model_path: str) -> Any:
     """The model's tokenizer, with ``model.chat_template`` as its chat template when set."""
     tokenizer = load_tokenizer(model_path)
     if p.config.model.chat_template:
-        tokenizer.chat_template = read_chat_template(p.config.model.chat_template, "model.chat_template")
+        set_chat_template(tokenizer, p.config.model.chat_template, "model.chat_template")
     return tokenizer
 
 

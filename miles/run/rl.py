@@ -4,6 +4,7 @@ after, checkpoints every ``run.save_every`` steps, and the exported final policy
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import replace
 from statistics import fmean
@@ -21,7 +22,7 @@ from miles.loop.step import Step
 from miles.rollout.assemble import close_with_run, rollout_context, rollout_plane
 from miles.rollout.collect import GroupCollector
 from miles.rollout.data_source import PromptSource
-from miles.run.checkpoint import model_signature, save_checkpoint
+from miles.run.checkpoint import model_signature, remove_partial_checkpoints, save_checkpoint
 from miles.run.progress import phase, progress
 from miles.run.state import RunState, frozen_heap, rewind_loggers
 from miles.train.assemble import rl_backend
@@ -40,6 +41,7 @@ class RLPhase:
         run_cfg = config.run
         start = time.perf_counter()
         self.run, self.model_path = run, model_path
+        self._remove_partial_checkpoints()
         self.transport = p.build("weight_transport", "rollout.weight_sync")
         if isinstance(self.transport, ClosingTransport):  # e.g. shm's file under /dev/shm
             run.closing.callback(self.transport.close)
@@ -82,6 +84,16 @@ class RLPhase:
         self.architecture = model_signature(run.base_model)
         self.schedule: Any = None
         run.timed("setup", start)
+
+    def _remove_partial_checkpoints(self) -> None:
+        """What checkpoint writes that never completed left: now (an earlier run killed while it wrote one), and
+        when the run ends, after its backend has shut down (registered first, so that it runs last: a trainer in a
+        process of its own may still write into the checkpoint an interrupted run gave up on)."""
+        root = self.run.run_dir / "checkpoints"
+        if removed := remove_partial_checkpoints(root):
+            print(f"run.resume: removed {len(removed)} half-written checkpoint folder(s) that a run killed while "
+                  f"writing left in {root}: {', '.join(removed)}", file=sys.stderr)
+        self.run.closing.callback(remove_partial_checkpoints, root)
 
     def _resume(self) -> int:
         """With ``run.resume``: the newest checkpoint's backend, data, selectors, RNGs and weights; its step."""

@@ -22,7 +22,7 @@ from string import Template
 
 from miles.errors import ConfigError
 
-__all__ = ["KINDS", "KindTemplate", "Scaffolded", "derived_names", "new_plugin"]
+__all__ = ["KINDS", "MAX_NAME_CHARS", "KindTemplate", "Scaffolded", "derived_names", "new_plugin"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,9 @@ _DESTINATIONS = {"pyproject.toml": "pyproject.toml", "README.md": "README.md", "
 _BUNDLED = {("reward", "numeric_closeness"): "contrib/miles-reward-template"}
 
 _NAME = re.compile(r"^[A-Za-z]([A-Za-z0-9_-]*[A-Za-z0-9])?$")
+# Longer than any published plugin's name, and short enough that the package's folders and its staging folder
+# (``.NAME-xxxxxxxx.tmp``) stay within the 255 bytes a file system allows for one name.
+MAX_NAME_CHARS = 100
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,9 @@ def new_plugin(dist: str, kind: str, parent: str | Path = ".") -> Scaffolded:
     when the kind is unknown, the name is not a distribution name or is taken, or the folder holds files."""
     if kind not in KINDS:
         raise ConfigError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
+    if isinstance(dist, str) and len(dist) > MAX_NAME_CHARS:
+        raise ConfigError(f"plugin name {dist[:20]}... ({len(dist)} characters): expected at most {MAX_NAME_CHARS} "
+                          f"characters")
     if not isinstance(dist, str) or not _NAME.match(dist):
         raise ConfigError(f"plugin name {dist!r}: expected a distribution name of letters, digits, '-' and '_', "
                           f"starting with a letter and ending with a letter or digit, e.g. my-{kind.replace('_', '-')}")
@@ -130,9 +136,13 @@ def new_plugin(dist: str, kind: str, parent: str | Path = ".") -> Scaffolded:
     values.update(summary=meta.summary, contract=meta.contract, guide=meta.guide,
                   config=Template(meta.config).substitute(values), command=Template(meta.command).substitute(values))
     files = _render(kind, values)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     staging = folder.parent / f".{dist}-{secrets.token_hex(4)}.tmp"
-    staging.mkdir()  # beside the target, so that the rename cannot cross file systems
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()  # beside the target, so that the rename cannot cross file systems
+    except OSError as exc:  # a read-only or full disk, a path too long for it
+        raise ConfigError(f"--dir {parent}: cannot write the package there ({exc.strerror}); nothing was "
+                          f"written") from None
     try:
         for relative, text in files.items():
             (staging / relative).parent.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,7 @@ class Agent:
         if shared is None:
             server = server_module.SessionServer(ctx.engine, ctx.tokenizer, ctx.tool_parser or HermesParser(),
                                                  ctx.sampling_params, ctx.context_length, chat_format=ctx.chat_format,
-                                                 images=ctx.images)
+                                                 images=ctx.images, on_mismatch=ctx.tito_on_mismatch)
             shared = self._servers[key] = _Shared(server, asyncio.ensure_future(server.start()))
         shared.users += 1
         session = None
@@ -81,7 +81,7 @@ class Agent:
                 reward, error = None, f"rollout: agent {self.path} raised {type(exc).__name__}: {exc}"
             else:
                 error = _reward_problem(self.path, reward)
-            _fill(sample, session, error)
+            _fill(sample, session, error, ctx.tito_on_mismatch)
             if sample.trainable and reward is not None:
                 sample.metadata["env_reward"] = reward
             return sample
@@ -97,8 +97,10 @@ class Agent:
                 await shared.server.stop()
 
 
-def _fill(sample: Sample, session: Session, error: str | None) -> None:
-    """The session's trajectory as the sample's tokens, status and tool statistics."""
+def _fill(sample: Sample, session: Session, error: str | None, on_mismatch: str = "split") -> None:
+    """The session's trajectory as the sample's tokens, status and tool statistics; its earlier parts when the
+    template rendered the history otherwise (split), and the rendering of the finished conversation held against
+    its tokens (counted; under ``fail`` a difference fails the sample, as in ``multi_turn``)."""
     if session.status == "aborted":  # nothing of it is kept: the agent starts over when the sample is continued
         sample.status, sample.reason = SampleStatus.ABORTED, f"partial rollout: {session.reason}"
         return
@@ -113,6 +115,17 @@ def _fill(sample: Sample, session: Session, error: str | None) -> None:
     sample.response_ids, sample.loss_mask = list(session.response_ids), list(session.loss_mask)
     sample.rollout_logprobs, sample.weight_versions = list(session.logprobs), list(session.weight_versions)
     sample.sampled_with = list(session.sampled_with)
+    sample.segments = [Sample(prompt_ids=part["prompt_ids"], group_index=sample.group_index, index=sample.index,
+                              prompt=sample.prompt, label=sample.label, response_ids=part["response_ids"],
+                              loss_mask=part["loss_mask"], rollout_logprobs=part["logprobs"],
+                              status=SampleStatus.COMPLETED, reason="split: the template renders the history "
+                              "otherwise", weight_versions=part["weight_versions"],
+                              sampled_with=part["sampled_with"]) for part in session.segments]
+    sample.metadata["tito"] = dict(session.tito)
+    final = session.conversation.finish() if session.conversation is not None else None
+    if final is not None:  # the finished conversation renders otherwise (counted; a failure under `fail`)
+        sample.metadata["tito"]["final_mismatches"] += 1
+        sample.metadata["tito_final"] = str(final)
     sample.images = list(session.images)
     sample.turns, sample.response_text = session.turns, session.last_text
     sample.metadata["tools"] = dict(session.tool_stats)
@@ -122,6 +135,8 @@ def _fill(sample: Sample, session: Session, error: str | None) -> None:
         sample.status, sample.reason = SampleStatus.TRUNCATED, "max_tokens reached in the last turn"
     else:
         sample.status = SampleStatus.COMPLETED
+    if final is not None and on_mismatch == "fail":
+        sample.fail(f"rollout: {final} (rollout.tito.on_mismatch=fail)")
 
 
 def _reward_problem(path: str, reward: Any) -> str | None:

@@ -22,6 +22,7 @@ from typing import Any
 import jsonschema
 
 from miles.agentic.tool_calls import CheckedCalls, check_calls
+from miles.agentic.turns import message_parts
 from miles.agentic.types import Message
 
 __all__ = ["ApiError", "ChatRequest", "parse_chat_request", "normalize_message", "normalize_tools",
@@ -215,17 +216,20 @@ def first_difference(held: list[Message], sent: list[Message]) -> tuple[int, str
 
 def assistant_turn(text: str, parser: Any, tools: list[dict[str, Any]] | None,
                    call_id_prefix: str) -> tuple[Message, CheckedCalls]:
-    """The assistant message a generated turn stands for (normalised: the content without tool calls, the valid
-    calls), and every call found. Without tools nothing is parsed: the whole text is the content."""
+    """The assistant message a generated turn stands for (:func:`~miles.agentic.turns.message_parts`: what the
+    template renders back as generated), and every call found. Without tools nothing is parsed: the whole text is
+    the content."""
     if not tools:
         return {"role": "assistant", "content": text}, CheckedCalls([])
-    checked = check_calls(parser.parse(text), tools)
+    parsed = parser.parse(text)
+    content, calls = message_parts(parser, text, parsed)  # as the template renders the turn back
+    checked = check_calls(parsed, tools)
     for i, call in enumerate(checked.calls):
         call.id = f"{call_id_prefix}{i}"  # unique within the session: the parser numbers each turn from 0
-    message: Message = {"role": "assistant", "content": parser.content(text)}
-    if checked.valid:
+    message: Message = {"role": "assistant", "content": content}
+    if calls:
         message["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}} for c in checked.valid]
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
     return message, checked
 
 

@@ -42,7 +42,6 @@ import sys
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from copy import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +73,10 @@ class _Prompt:
     conversation: Conversation  # a new one, or a copy of the session's: its messages with the new ones
     new_ids: list[int]  # the tokens this request adds (the whole prompt on the first completion)
     ids: list[int]  # the whole prompt
+    # the template rendered the history otherwise than the session's tokens (on_mismatch split or retokenize): the
+    # session's tokens to keep before new_ids (None: all of them; split: none, new_ids is the rendered history)
+    keep: int | None = None
+    mismatch: str = ""
 
 
 class _ContextExceeded(ApiError):
@@ -86,14 +89,18 @@ class SessionServer:
     in SGLang's shape; with ``rid=`` and an ``abort(rid)``, a request whose client disconnects is aborted there).
     ``sampling_params`` are the defaults of every generation (a request's ``temperature`` and ``top_p`` replace
     them; its ``max_tokens`` can lower ``max_new_tokens``, never raise it); ``context_length`` defaults to the
-    engine's; ``images``: a vision-language model's image encoder (None: messages may hold no images)."""
+    engine's; ``images``: a vision-language model's image encoder (None: messages may hold no images).
+    ``on_mismatch`` (``rollout.tito.on_mismatch``, resolved): when the template renders the history otherwise than
+    the session's tokens, ``fail`` refuses the request (400 ``template_not_append_only``), ``split`` goes on from the
+    rendering as a new part of the trajectory, ``retokenize`` re-renders from the first differing token (left out of
+    the loss)."""
 
     def __init__(self, engine: Any, tokenizer: Any, tool_parser: Any, sampling_params: dict[str, Any] | None = None,
                  context_length: int | None = None, *, allowed_hosts: tuple[str, ...] = (),
-                 chat_format: Any = None, images: ImageEncoder | None = None) -> None:
+                 chat_format: Any = None, images: ImageEncoder | None = None, on_mismatch: str = "split") -> None:
         # chat_format: the run's BoundFormat (template, its kwargs, stop ids); None: the builtin format the tokenizer
         # speaks, with its own template
-        self.chat_format = chat_format
+        self.chat_format, self.on_mismatch = chat_format, on_mismatch
         if chat_format is None and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; the session server renders messages with one "
                              "(set model.tokenizer.chat_template, e.g. chatml_tools, for a built tokenizer)")
@@ -200,9 +207,18 @@ class SessionServer:
 
         def commit() -> None:
             """From here on the session holds this turn."""
+            if prompt.mismatch:  # counted as a multi-turn rollout counts it
+                session.tito["mismatches"] += 1
             if first:
                 session.tools, session.prompt_ids = request.tools, list(prompt.new_ids)
+            elif prompt.keep == 0:  # split: the rendered history is the new part's prompt
+                session.tito["splits"] += 1
+                session.split(prompt.new_ids)
             else:
+                if prompt.keep is not None:  # retokenize: the session's tokens from the first difference go
+                    session.tito["retokenized_tokens"] += len(session.prompt_ids) + len(session.response_ids) \
+                        - prompt.keep
+                    session.truncate(prompt.keep - len(session.prompt_ids))
                 session._append(prompt.new_ids, None, from_policy=False)
             SampledWith.add(session.sampled_with, len(session.response_ids), params)
             session._append(ids, logprobs, from_policy=True)
@@ -210,8 +226,7 @@ class SessionServer:
             versions = [int(v) for v in meta.get("output_token_weight_versions") or [meta["weight_version"]]]
             session.weight_versions += [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
             session.turns, session.last_text = turn, self.tokenizer.decode(ids, skip_special_tokens=True)
-            session.turn_closed = bool(ids) and ids[-1] == conversation.eot_id
-            conversation.add_policy_turn(message)
+            conversation.add_policy_turn(message, ids, cut=finish == "length")
             session.conversation = conversation
             stats = session.tool_stats
             stats["calls"] += len(checked.calls)
@@ -263,15 +278,16 @@ class SessionServer:
             self._check_history(session, request)
         new = request.messages[len(session.messages):]
         self._check_length_bound(held, new)
-        new_ids, conversation = self._new_tokens(session, request)
-        ids = new_ids if session.conversation is None else session.prompt_ids + session.response_ids + new_ids
+        new_ids, conversation, keep, mismatch = self._new_tokens(session, request)
+        recorded = session.prompt_ids + session.response_ids
+        ids = new_ids if session.conversation is None or keep == 0 else recorded[:keep] + new_ids
         if self.context_length and len(ids) > self.context_length - 2:
             size = len(ids)
             del ids, new_ids, conversation  # gone before the answer: see _trim_heap
             if size > LARGE_PROMPT_TOKENS:
                 _trim_heap()
             raise _ContextExceeded(self._too_long(f"{size} tokens", held))
-        return _Prompt(request, conversation, new_ids, ids)
+        return _Prompt(request, conversation, new_ids, ids, keep, mismatch)
 
     def _check_history(self, session: Session, request: ChatRequest) -> None:
         """409 when the request does not continue the session (changed tools or messages), 400 when it adds none."""
@@ -327,19 +343,24 @@ class SessionServer:
             self._longest_token = max(map(len, vocab()), default=0) if callable(vocab) else 0
         return self._longest_token
 
-    def _new_tokens(self, session: Session, request: ChatRequest) -> tuple[list[int], Conversation]:
-        """The tokens this request adds (the whole prompt on the first completion), and the conversation that
-        holds its messages: a new one, or a copy of the session's with the new messages (the session's own is
-        replaced when the turn is recorded)."""
+    def _new_tokens(self, session: Session, request: ChatRequest) -> tuple[list[int], Conversation, int | None, str]:
+        """The tokens this request adds (the whole prompt on the first completion), the conversation that holds its
+        messages (a new one, or a fork of the session's: the session's own is replaced when the turn is recorded),
+        and, when the template renders the history otherwise than the session's tokens (``on_mismatch``), how many
+        of the session's tokens stay (0: the rendered history starts a new part) and why."""
         try:
             if session.conversation is None:
                 conversation = Conversation(self.chat_format or self.tokenizer, request.messages, request.tools,
                                             images=self.images)
-                return list(conversation.prompt_ids), conversation
-            conversation = copy(session.conversation)
-            conversation.messages = list(session.conversation.messages)
-            conversation.images = list(session.conversation.images)
-            ids = conversation.extend(request.messages[len(conversation.messages):])
+                return list(conversation.prompt_ids), conversation, None, ""
+            conversation = session.conversation.fork()
+            new = request.messages[len(conversation.messages):]
+            try:
+                return conversation.extend(new), conversation, None, ""
+            except NotAppendOnly as exc:
+                if self.on_mismatch == "fail":
+                    raise
+                return (*session.resynced(conversation, new, self.on_mismatch), str(exc))
         except NotAppendOnly as exc:
             raise ApiError(400, str(exc), param="messages", code="template_not_append_only") from exc
         except ImageProblem as exc:
@@ -347,9 +368,6 @@ class SessionServer:
         except Exception as exc:  # the chat template refused the messages (e.g. a system message not first)
             raise ApiError(400, f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}",
                            param="messages") from exc
-        if not session.turn_closed:  # the last turn was cut (max_tokens): close it as the template renders it
-            ids = [conversation.eot_id] + ids
-        return ids, conversation
 
     def _openai_logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any]:
         texts = self.tokenizer.batch_decode([[i] for i in ids])

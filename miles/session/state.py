@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.agentic.chat import Conversation
-from miles.agentic.metrics import TOOL_STATS
+from miles.agentic.chat import Conversation, NotAppendOnly, first_differing_token
+from miles.agentic.metrics import TITO_STATS, TOOL_STATS
 from miles.session.openai_api import ApiError, ChatRequest
 from miles.types import SampledWith
 
@@ -32,12 +32,15 @@ class Session:
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)  # one per completion
     sampled_with: list[SampledWith] = field(default_factory=list)  # each completion's sampling parameters
+    # on_mismatch split: the trajectory's earlier parts, each {prompt_ids, response_ids, loss_mask, logprobs,
+    # weight_versions, sampled_with}; retokenize and split counted as a multi-turn rollout counts them
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    tito: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TITO_STATS, 0))
     turns: int = 0
     status: str = "open"  # "truncated": the context is full; "aborted": the engine aborted a generation (ended)
     reason: str = ""
     finish_reason: str | None = None  # of the last completion
     last_text: str = ""  # the last completion's text (special tokens removed)
-    turn_closed: bool = True  # the last completion ended with the end-of-turn token
     tool_stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOOL_STATS, 0))
     # Why the last request was refused for the context length (400 context_length_exceeded); cleared by the next
     # completion. The agent rollout function makes such a trajectory a truncated sample.
@@ -73,7 +76,35 @@ class Session:
                 "response_ids": self.response_ids, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
                 "weight_versions": self.weight_versions, "messages": self.messages, "tools": self.tools,
                 "tool_stats": self.tool_stats, "context_exceeded": self.context_exceeded or None,
-                "images": [image.ref for image in self.images]}
+                "images": [image.ref for image in self.images], "tito": self.tito,
+                "segments": [{k: v for k, v in part.items() if k != "sampled_with"} for part in self.segments]}
+
+    def split(self, prompt_ids: list[int]) -> None:
+        """End the trajectory's current part (kept in ``segments``) and go on from ``prompt_ids``."""
+        self.segments.append({"prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
+                              "loss_mask": self.loss_mask, "logprobs": self.logprobs,
+                              "weight_versions": self.weight_versions, "sampled_with": self.sampled_with})
+        self.prompt_ids, self.response_ids, self.loss_mask, self.logprobs = list(prompt_ids), [], [], []
+        self.weight_versions, self.sampled_with = [], []
+
+    def resynced(self, conversation: Conversation, new: list[dict[str, Any]], on_mismatch: str
+                 ) -> tuple[list[int], Conversation, int]:
+        """The history rendered again with ``new`` (``conversation``: a fork of the session's), the tokens to follow
+        those of the session that stay, and how many stay: all of it as a new part (split: 0), or from the first
+        token that differs from the session's (retokenize, which a changed first prompt cannot take)."""
+        rendered = conversation.resync(new)
+        if on_mismatch == "split":
+            return rendered, conversation, 0
+        same = first_differing_token(self.prompt_ids + self.response_ids, rendered)
+        if same < len(self.prompt_ids):
+            raise NotAppendOnly("the chat template renders the session's first prompt otherwise now; "
+                                "on_mismatch retokenize cannot re-render a changed prompt")
+        return rendered[same:], conversation, same
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens after the prompt (retokenize: the rest is rendered again)."""
+        del self.response_ids[length:], self.loss_mask[length:], self.logprobs[length:]
+        self.sampled_with = [entry for entry in self.sampled_with if entry.start < length] or self.sampled_with[:1]
 
     def _append(self, ids: list[int], logprobs: list[float] | None, from_policy: bool) -> None:
         self.response_ids += ids

@@ -142,7 +142,10 @@ class EnvConformance:
             engine=ScriptedPolicy(self._tokenizer, self.act), tokenizer=self._tokenizer,
             sampling_params={"max_new_tokens": 4096}, env=factory, sandbox=self.sandbox_factory(),
             tool_parser=self._registry.build("tool_parser", {"name": self.tool_parser}, "rollout.tool_parser"),
-            tool=lambda name: resolve_tool(self._registry, name, "rollout.env.tools"))
+            tool=lambda name: resolve_tool(self._registry, name, "rollout.env.tools"),
+            # ``act`` writes turns in any layout, not only the template's: a turn the template renders otherwise is
+            # re-rendered in place (out of the loss), so that every observation stays in the one trajectory
+            tito_on_mismatch="retokenize")
         return ctx, made
 
     def run_episodes(self, count: int, fail: dict[int, int] | None = None) -> tuple[list[Sample], list[_WatchedEnv]]:

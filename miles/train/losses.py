@@ -9,14 +9,33 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles.errors import RunError
 from miles.lazy import lazy_module
 from miles.types import LossInputs
 
 torch = lazy_module("torch")
 
-__all__ = ["AGGREGATIONS", "aggregate", "ppo_clip", "sft", "value_loss"]
+__all__ = ["AGGREGATIONS", "NonFiniteLoss", "aggregate", "non_finite_inputs", "ppo_clip", "sft", "value_loss"]
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+
+
+class NonFiniteLoss(RunError):
+    """A loss (or its gradients) that is NaN or infinite, found before the optimizer step: the weights are those of
+    the step before. The learner names the step (:class:`miles.loop.learner.Learner`)."""
+
+
+def non_finite_inputs(inputs: LossInputs) -> str:
+    """Which of a loss's inputs hold NaN or infinite values at the loss tokens, in words (what made the loss
+    non-finite), else that the loss function made it so itself."""
+    mask = inputs.loss_mask > 0
+    named = (("the advantages", inputs.advantages), ("the policy's log-probs", inputs.logprobs),
+             ("the log-probs it was sampled with", inputs.old_logprobs),
+             ("the reference model's log-probs", inputs.ref_logprobs))
+    bad = [name for name, values in named
+           if values is not None and not bool(torch.isfinite(values.detach()[mask.to(values.device)]).all())]
+    return (f"{', '.join(bad)} hold NaN or inf at loss tokens" if bad else
+            "its inputs are finite at the loss tokens: the loss function made it so")
 
 
 def aggregate(values: torch.Tensor, inputs: LossInputs, agg: str = "token_mean",

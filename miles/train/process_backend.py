@@ -19,7 +19,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import sys
 import traceback
 from dataclasses import replace
 from typing import Any
@@ -111,7 +110,10 @@ def _serve(conn: Any, threads: int, parent: int) -> None:
             data = _dumps(reply)
         except Exception as exc:  # noqa: BLE001 - e.g. an exception that cannot be pickled
             data = pickle.dumps(("error", RuntimeError(f"{method}: {reply[1]!r} ({exc})"), ""), protocol=5)
-        conn.send_bytes(data)
+        try:
+            conn.send_bytes(data)
+        except (BrokenPipeError, ConnectionResetError):  # the driver stopped waiting (Ctrl-C): nobody to answer
+            return
         if method == "shutdown":
             return
 
@@ -182,8 +184,8 @@ class ProcessBackend(BackendProxy):
         if reply[0] == "ok":
             return reply[1]
         exc, where = reply[1], reply[2]
-        if where:
-            print(f"miles: the training process failed in {method}:\n{where}", file=sys.stderr, end="")
+        if where:  # shown with the exception's traceback; not printed for one the run reports in a line of its own
+            exc.add_note(f"the training process failed in {method}:\n{where.rstrip()}")
         raise exc
 
     def _batch(self, batch: Any) -> Any:

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from miles.lazy import lazy_module
-from miles.train.losses import value_loss
+from miles.train.losses import NonFiniteLoss, non_finite_inputs, value_loss
 from miles.errors import ConfigError
 from miles.train.backend import LossFn
 from miles.train.batching import normalizers, plan_batch
@@ -263,6 +264,7 @@ class Policy:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
             totals: dict[str, float] = defaultdict(float, critic_totals)
+            non_finite = None  # what made this rank's loss NaN or inf
             for m, rows in enumerate(micros):
                 micro = self._micro(batch, rows)
                 with self._routing(self.model, micro, record=True) as record:
@@ -287,7 +289,10 @@ class Policy:
                         loss = loss + self.options.router_aux_loss_coef * aux
                 (loss * loss_scale).backward()
                 with torch.no_grad():
-                    totals["train/loss"] += float(loss.detach())
+                    if not math.isfinite(value := float(loss.detach())) and non_finite is None:
+                        non_finite = (f"the loss of micro-batch {m + 1} of optimizer step {k + 1} is {value}: "
+                                      f"{non_finite_inputs(inputs)}")
+                    totals["train/loss"] += value
                     for key, value in metrics.items():
                         totals[key] += float(value)
                     totals["train/entropy"] += float((entropy * mask).sum()) / normalizer
@@ -304,6 +309,10 @@ class Policy:
             max_norm = self.options.max_grad_norm or float("inf")
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            # the norm is every rank's (a collective): all of them stop here together, none waits for another
+            if not math.isfinite(grad_norms[-1]):
+                why = non_finite or f"the gradients of optimizer step {k + 1} have norm {grad_norms[-1]}"
+                raise NonFiniteLoss(f"{why}; that optimizer step was not taken, so no weight holds NaN or inf")
             self.optimizer.step()
             self.scheduler.step()
             sums.append(dict(totals))

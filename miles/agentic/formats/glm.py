@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from miles.agentic.chat_format import ChatFormat
+from miles.agentic.tool_calls import RefusedJSON, loads_json
 from miles.agentic.types import ToolCall
 
 __all__ = ["GLM45", "Glm45ToolParser"]
@@ -75,7 +76,10 @@ class Glm45ToolParser:
                 return f"the value of argument {key!r} of {call.name} is not closed with </arg_value>"
             if key in call.arguments:
                 return f"argument {key!r} of {call.name} is given twice"
-            call.arguments[key] = _value(body[pos + len("<arg_value>"):end])
+            try:
+                call.arguments[key] = _value(body[pos + len("<arg_value>"):end])
+            except RefusedJSON as exc:
+                return f"the value of argument {key!r} of {call.name} cannot be read: {exc.msg}"
             pos = end + len("</arg_value>")
 
 
@@ -84,9 +88,13 @@ def _named(name: str) -> str:
 
 
 def _value(text: str) -> Any:
+    """The argument's value: decoded JSON, else the text as written; JSON that a call cannot carry (too deep, an
+    integer too long, a lone surrogate) raises :class:`RefusedJSON` rather than passing for a string."""
     try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, ValueError):
+        value = loads_json(text)
+    except RefusedJSON:
+        raise
+    except json.JSONDecodeError:
         return text
     return text if isinstance(value, str) else value
 

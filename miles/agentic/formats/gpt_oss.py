@@ -130,6 +130,8 @@ class HarmonyToolParser:
             calls.append(call)
         return calls
 
+    turn_layout = "markup"  # a turn's content is its final-channel text, tools offered or not
+
     def content(self, text: str) -> str:
         messages = harmony_messages(text)
         if not any(m.body is not None for m in messages):

@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from miles.agentic.chat_format import ChatFormat
-from miles.agentic.tool_calls import call_from_object
+from miles.agentic.tool_calls import call_from_object, decode_json
 from miles.agentic.types import ToolCall
 
 __all__ = ["LLAMA3", "Llama3JsonParser"]
@@ -48,7 +48,7 @@ class Llama3JsonParser:
         start = self._start(text)
         if start < 0:
             return text.strip(), []
-        decoder, calls, pos, trailing = json.JSONDecoder(), [], start, ""
+        calls, pos, trailing = [], start, ""
         while True:
             while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
                 pos += 1
@@ -61,7 +61,7 @@ class Llama3JsonParser:
                 trailing = text[pos:]
                 break
             try:
-                obj, pos = decoder.raw_decode(text, pos)
+                obj, pos = decode_json(text, pos)
             except json.JSONDecodeError as exc:
                 calls.append(ToolCall("", {}, error=f"the tool call is not valid JSON ({exc.msg} at line {exc.lineno} "
                                                      f"column {exc.colno}); {_EXPECTED}"))

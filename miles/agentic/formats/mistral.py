@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from miles.agentic.chat_format import ChatFormat
-from miles.agentic.tool_calls import call_from_object
+from miles.agentic.tool_calls import call_from_object, decode_json
 from miles.agentic.types import ToolCall
 
 __all__ = ["MISTRAL_V3", "MistralToolParser"]
@@ -34,7 +34,7 @@ class MistralToolParser:
         return self._split(text)[0]
 
     def _split(self, text: str) -> tuple[str, list[ToolCall]]:
-        decoder, calls, parts = json.JSONDecoder(), [], []
+        calls, parts = [], []
         pos = 0
         while True:
             at = text.find(self.TOKEN, pos)
@@ -46,7 +46,7 @@ class MistralToolParser:
             while pos < len(text) and text[pos].isspace():
                 pos += 1
             try:
-                obj, pos = decoder.raw_decode(text, pos)
+                obj, pos = decode_json(text, pos)
             except json.JSONDecodeError as exc:
                 calls.append(ToolCall("", {}, error=f"the tool calls after {self.TOKEN} are not valid JSON ({exc.msg} "
                                                      f"at line {exc.lineno} column {exc.colno}); {_EXPECTED}"))

@@ -13,14 +13,18 @@ the zygote says ``{"ready": pid}`` first, then answers the host:
   (globals, modules, ``sys.path``, environment, cwd, signal dispositions, rlimits) whatever the one before did.
 - ``{"end": "kill"}`` or ``{"end": "wipe"}``: kill every process of the sandbox but the zygote (the session
   included); with ``wipe`` also put every writable place back as it was when the zygote started (see
-  :func:`restore`) and remove the SysV IPC objects. The reply: ``{"status": ..., "left": [...], "problems":
+  :func:`restore`), remove the SysV IPC objects, and give the zygote back what code could change of it from outside
+  (:func:`put_back_process`). The reply: ``{"status": ..., "left": [...], "problems":
   [...]}``, the session's end (``{"exit": n}``, ``{"signal": n}``, or None when it still ran), the pids still
   there after the kill, and what could not be put back; the host reuses the sandbox only when both are empty.
 
-On a session's socket a request ``{"python": code}`` or ``{"shell": command}`` comes with two file descriptors:
-the write ends of the call's stdout and stderr pipes, which become the session's fds 1 and 2 for the call. The
-reply is ``{"exit_code": n}``, sent once every process the call started is gone and the session holds the pipes
-no more, so the host reads them to their end. Between calls fds 1 and 2 are /dev/null.
+On a session's socket a request ``{"python": code}`` or ``{"shell": command}``, with the host's token for the
+call (``"call"``), comes with two file descriptors: the write ends of the call's stdout and stderr pipes, which
+become the session's fds 1 and 2 for the call. The reply is ``{"exit_code": n, "call": token}``, sent once every
+process the call started is gone and the session holds the pipes no more, so the host reads them to their end.
+Between calls fds 1 and 2 are /dev/null. The socket is the session's fd CHANNEL as the call's code runs: a message
+the host did not expect (code that wrote to it) or a socket that closed while the session ran (code that closed
+it) ends the session, and the host says so.
 
 What the call started is ended with it. bwrap mode: the session SIGKILLs every process of the sandbox's pid
 namespace but the namespace's init, the zygote and itself. Subprocess mode: the session is a child subreaper, so
@@ -29,6 +33,8 @@ dumpable: no process of the sandbox can trace it or write its memory; code that 
 sandbox's reuse (its next reset is not answered, and the host discards the sandbox).
 """
 
+# ruff: noqa: F821 - the reset's functions come from _interpreter_reset.py, ahead of this file in the one script
+
 import ctypes
 import json
 import linecache
@@ -36,7 +42,6 @@ import os
 import resource
 import signal
 import socket
-import stat
 import sys
 import time
 import traceback
@@ -45,15 +50,6 @@ HEADER = 4
 SHELL_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT)  # what Python changed and a command expects default
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
 PF_EXITING = 0x4  # a task's flag (/proc/PID/stat) from the moment it starts to exit
-SYSV_IPC = (("shm", 0), ("msg", 1), ("sem", 2))  # /proc/sysvipc/NAME, and which *ctl removes it
-IPC_RMID = 0
-MQUEUE = "/dev/mqueue"  # the sandbox's POSIX message queues (bwrap mounts its IPC namespace's there)
-# keyctl(2): its syscall number per machine, two operations, and the keyrings code in the sandbox can add keys to
-# (they belong to the sandbox's user namespace, which the zygote keeps alive between trajectories)
-KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}
-KEYCTL_CLEAR, KEYCTL_READ = 7, 11
-KEYRINGS = {-3: "session", -4: "user", -5: "user-session"}
-
 
 def main(argv):
     """The zygote: fork sessions, end them and everything they started, and put the sandbox back."""
@@ -67,6 +63,7 @@ def main(argv):
     start = (os.getcwd(), dict(os.environ))  # where and with what a shell command starts, whatever code changed
     places = writable_places(workspace) if bwrap else []
     initial = {place: snapshot(place) for place in places}
+    inherited = process_state(libc)
     null = os.open(os.devnull, os.O_RDWR)
     send(channel, {"ready": os.getpid()})
     _quiet(null)
@@ -86,6 +83,7 @@ def main(argv):
         if request.get("end") == "wipe":
             problems = [problem for place in places for problem in restore(place, initial[place])]
             problems += remove_ipc(libc) + remove_message_queues() + clear_keyrings(libc)
+            problems += put_back_process(inherited, libc)
         send(channel, {"status": status, "left": left, "problems": problems})
 
 
@@ -112,8 +110,12 @@ def fork_session(channel, fd, setup):
 
 
 def serve(channel, bwrap, cpu_s, start, null, keep):
-    """A session: run the calls that come on ``channel`` until the host closes it."""
+    """A session: run the calls that come on ``channel`` until the host closes it. The reply names the call (the
+    host's ``call`` token). After a call whose code closed the socket or put something else at its fd, the session
+    waits for the zygote's kill: the host sees a session that still ran when its socket closed, which only such code
+    makes, and says so."""
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    ours = _identity_of(channel.fileno())
     calls = 0
     while True:
         request, fds = receive(channel)
@@ -134,7 +136,18 @@ def serve(channel, bwrap, cpu_s, start, null, keep):
             _flush()
             end_processes(bwrap, keep)
             _quiet(null)
-        send(channel, {"exit_code": code})
+        while _identity_of(channel.fileno()) != ours:
+            signal.pause()
+        send(channel, {"exit_code": code, "call": request.get("call")})
+
+
+def _identity_of(fd):
+    """What the open file at ``fd`` is (device and inode), None when ``fd`` is closed."""
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def run_python(source, namespace, name):
@@ -250,176 +263,6 @@ def _children():
         except OSError:
             pass
     return children
-
-
-# -- putting the sandbox's files back (bwrap mode) ----------------------------------------------------------
-
-def writable_places(workspace):
-    """What a sandbox's code can write and what outlives its processes: the workspace (its mounts are folders of
-    it), ``/tmp``, bwrap's ``/dev`` (a tmpfs, ``/dev/shm`` in it) and, with mounts, the root (a tmpfs too)."""
-    places = []
-    for place in (workspace, "/tmp", "/dev", "/"):
-        if place not in places and os.access(place, os.W_OK):
-            places.append(place)
-    return places
-
-
-def snapshot(place):
-    """What ``place`` holds, without going into another mount: {relative path: (kind, mode, identity)}."""
-    mounts = _mount_points()
-    tree, folders = {"": _entry(place)}, [""]
-    while folders:
-        rel = folders.pop()
-        for name in sorted(os.listdir(os.path.join(place, rel))):
-            sub = os.path.join(rel, name)
-            tree[sub] = _entry(os.path.join(place, sub), os.path.join(place, sub) in mounts)
-            if tree[sub][0] == "dir" and os.path.join(place, sub) not in mounts:
-                folders.append(sub)
-    return tree
-
-
-def restore(place, initial):
-    """Put ``place`` back as ``initial`` (its :func:`snapshot` at the start): remove what was not there or is not
-    the same (a file with other contents, a folder made anew), make the links that went, give the modes back.
-    What could not be put back, in words (a folder removed or made anew cannot: a bind mount holds the old one)."""
-    try:
-        mounts = _mount_points()
-        folders = [""]
-        while folders:
-            rel = folders.pop()
-            folder = os.path.join(place, rel)
-            if folder not in mounts or not rel:
-                os.chmod(folder, 0o700)  # ours (the code ran as us): its mode comes back below
-            for name in os.listdir(folder):
-                sub, path = os.path.join(rel, name), os.path.join(folder, name)
-                if path in mounts:
-                    continue
-                if _same(_entry(path), initial.get(sub)):
-                    if initial[sub][0] == "dir":
-                        folders.append(sub)
-                else:
-                    _remove(path)
-        for rel in sorted(initial, key=lambda rel: -rel.count("/") - bool(rel)):  # the deepest first
-            kind, mode, identity = initial[rel]
-            path = os.path.join(place, rel)
-            if kind == "link" and not os.path.lexists(path):
-                os.symlink(identity, path)
-            elif kind != "link" and kind != "mount" and os.path.lexists(path):
-                os.chmod(path, mode)
-        now = snapshot(place)
-    except (OSError, RecursionError) as exc:
-        return [f"{place}: {exc}"]
-    changed = sorted(rel for rel in initial.keys() | now.keys() if initial.get(rel) != now.get(rel))
-    return [f"{place}: not as at the start: {', '.join(os.path.join(place, rel) for rel in changed[:5])}"] if changed \
-        else []
-
-
-def _entry(path, mount=False):
-    """A path's kind, mode and identity: a link's target, a folder's inode, a file's inode, size and mtime.
-    A mount point other than the place itself is kept as it is: its kind alone."""
-    info = os.lstat(path)
-    if mount:
-        return ("mount", 0, None)
-    if stat.S_ISLNK(info.st_mode):
-        return ("link", 0, os.readlink(path))
-    if stat.S_ISDIR(info.st_mode):
-        return ("dir", stat.S_IMODE(info.st_mode), (info.st_dev, info.st_ino))
-    return ("file", stat.S_IMODE(info.st_mode), (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns))
-
-
-def _same(entry, initial):
-    return initial is not None and entry[0] == initial[0] and entry[2] == initial[2]
-
-
-def _remove(path):
-    """Remove a file, link or folder tree, taking back the permissions code took away (ours: it ran as us)."""
-    if not stat.S_ISDIR(os.lstat(path).st_mode):
-        os.unlink(path)
-        return
-    os.chmod(path, 0o700)
-    for name in os.listdir(path):
-        _remove(os.path.join(path, name))
-    os.rmdir(path)
-
-
-def _mount_points():
-    """The mount points this process sees (/proc/self/mountinfo also lists the mounts hidden under others, such as
-    those of the /dev that bwrap's /dev covers): from the root mount down, each at the top of its stack."""
-    with open("/proc/self/mountinfo", "rb") as file:
-        rows = [(int(fields[0]), int(fields[1]), _unescape(fields[4])) for fields in map(bytes.split, file)]
-    ids, children = {row[0] for row in rows}, {}
-    for row in rows:
-        children.setdefault(row[1], []).append(row)
-
-    def top(mount):  # a mount over the same point hides this one
-        while over := [row for row in children.get(mount[0], ()) if row[2] == mount[2]]:
-            mount = over[-1]
-        return mount
-
-    points, todo = set(), [top(row) for row in rows if row[1] not in ids]
-    while todo:
-        mount = todo.pop()
-        points.add(mount[2])
-        todo += [top(row) for row in children.get(mount[0], ()) if row[2] != mount[2]]
-    return points
-
-
-def _unescape(field):
-    """A mountinfo path: its octal escapes (``\\040`` for a space) undone."""
-    parts = field.split(b"\\")
-    return os.fsdecode(parts[0] + b"".join(bytes([int(part[:3], 8)]) + part[3:] for part in parts[1:]))
-
-
-def remove_ipc(libc):
-    """Remove the SysV IPC objects (shared memory, message queues, semaphores) code made in the sandbox's IPC
-    namespace; what is left, in words."""
-    problems = []
-    for name, which in SYSV_IPC:
-        for ident in _ipc_ids(name):
-            if which == 2:
-                libc.semctl(ident, 0, IPC_RMID)
-            else:
-                (libc.shmctl, libc.msgctl)[which](ident, IPC_RMID, None)
-        if _ipc_ids(name):
-            problems.append(f"SysV IPC {name} objects left: {_ipc_ids(name)}")
-    return problems
-
-
-def remove_message_queues():
-    """Remove the POSIX message queues code made (``mq_open``: files of the mqueue mount); what is left, in words."""
-    if not os.path.isdir(MQUEUE):  # subprocess mode: never reused
-        return []
-    for name in os.listdir(MQUEUE):
-        try:
-            os.unlink(os.path.join(MQUEUE, name))
-        except OSError:
-            pass
-    left = os.listdir(MQUEUE)
-    return [f"POSIX message queues left: {sorted(left)}"] if left else []
-
-
-def clear_keyrings(libc):
-    """Clear the keyrings code can add keys to (``add_key``); what is left, in words. A keyring that cannot be read
-    holds nothing this code could reach (its keyctl fails too)."""
-    number = KEYCTL_SYSCALL.get(os.uname().machine)
-    if number is None:
-        return [f"the keyrings cannot be checked on {os.uname().machine}"]
-    problems = []
-    for ring, name in KEYRINGS.items():
-        libc.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_CLEAR), ctypes.c_long(ring))
-        size = libc.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_READ), ctypes.c_long(ring), None,
-                            ctypes.c_long(0))
-        if size > 0:  # 4 bytes per key id
-            problems.append(f"{size // 4} key(s) left in the {name} keyring")
-    return problems
-
-
-def _ipc_ids(name):
-    try:
-        with open(f"/proc/sysvipc/{name}") as file:
-            return [int(line.split()[1]) for line in file.readlines()[1:] if line.strip()]
-    except OSError:
-        return []
 
 
 def _limit_cpu(cpu_s):

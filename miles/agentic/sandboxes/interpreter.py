@@ -18,6 +18,7 @@ import fcntl
 import functools
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -27,13 +28,14 @@ from typing import Any
 
 from miles.agentic.types import CUT_MARKER
 
-__all__ = ["CHANNEL_FD", "Capped", "Interpreter", "Outcome", "RESTART_MARKER", "ResetError", "WATCH_LIFELINE",
-           "WarmCall", "server_source"]
+__all__ = ["CHANNEL_FD", "Capped", "Interpreter", "Outcome", "ProtocolError", "RESTART_MARKER",
+           "ResetError", "WATCH_LIFELINE", "WarmCall", "server_source"]
 
 DRAIN_GRACE_S = 2.0  # how long a call waits for its output pipes to close once it ended
 START_TIMEOUT_S = 60.0  # how long an interpreter may take to say it is ready
 ANSWER_TIMEOUT_S = 10.0  # how long the zygote may take to fork a session, or to end one and put the sandbox back
 HEADER = 4
+MAX_MESSAGE_BYTES = 1 << 20  # far more than any message of the protocol: a longer one is garbage, not waited for
 CHANNEL_FD = 4  # the interpreter's channel in every process of the sandbox
 # processes.WATCH_LIFELINE, where the lifeline's watcher lets go of the channel (else the interpreter's death
 # would not close it)
@@ -44,9 +46,14 @@ RESTART_MARKER = "\n[sandbox: the interpreter was restarted: {reason}; variables
 
 @functools.cache
 def server_source() -> str:
-    """The in-sandbox script, passed with ``-c`` (Miles' files may not be visible inside the sandbox)."""
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_interpreter.py")) as file:
-        return file.read()
+    """The in-sandbox script, passed with ``-c`` (Miles' files may not be visible inside the sandbox): the reset's
+    functions, then the interpreter that calls them."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    parts = []
+    for name in ("_interpreter_reset.py", "_interpreter.py"):
+        with open(os.path.join(here, name)) as file:
+            parts.append(file.read())
+    return "\n".join(parts)
 
 
 @dataclass
@@ -63,6 +70,11 @@ class Outcome:
 
 class ResetError(RuntimeError):
     """A sandbox could not be put back as it started, or that could not be verified: it must not be reused."""
+
+
+class ProtocolError(RuntimeError):
+    """A message on an interpreter's channel that the protocol never sends: the code a call ran wrote to the channel
+    (it is fd CHANNEL_FD in the session that runs it), so nothing more read from it can be trusted."""
 
 
 class Interpreter:
@@ -128,8 +140,9 @@ class Interpreter:
         (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
         readers = [asyncio.ensure_future(_read_all(loop, fd, into)) for fd, into in ((out_r, out), (err_r, err))]
         timed_out, ended, reply, exit_code, settled = False, None, None, None, False
+        token = secrets.token_hex(8)  # the reply names it: one that does not, or comes twice, was not the session's
         try:
-            body = json.dumps(request).encode()
+            body = json.dumps({**request, "call": token}).encode()
             try:
                 socket.send_fds(session, [len(body).to_bytes(HEADER, "big")], [out_w, err_w])
             finally:
@@ -137,11 +150,14 @@ class Interpreter:
                 os.close(err_w)
             await loop.sock_sendall(session, body)
             try:
-                reply = await asyncio.wait_for(_receive(session), timeout_s)
+                reply = _checked_reply(await asyncio.wait_for(_receive(session), timeout_s), token)
             except asyncio.TimeoutError:
                 timed_out, ended = True, f"the call timed out after {timeout_s:g} s"
+            except ProtocolError as exc:  # the session's stream is the code's now: end the session, never read on
+                ended = f"the code it ran wrote to the interpreter's channel (fd {CHANNEL_FD}): {exc}"
             if reply is None:
                 why, exit_code = await self._end_session()
+                exit_code = None if ended else exit_code
                 ended = ended or why
             settled = True
         except ConnectionError:  # it died between two calls
@@ -231,8 +247,8 @@ class Interpreter:
             await self.stop()
             return await self._death(), self._proc_code()
         status = answer["status"]
-        if status is None:
-            return "it closed its channel", None
+        if status is None:  # it still ran when its socket closed, which only the code it ran does (_interpreter.serve)
+            return f"the code it ran closed or replaced the interpreter's channel (fd {CHANNEL_FD})", None
         if "exit" in status:
             return f"it exited with code {status['exit']}", status["exit"]
         return _signal_reason(status["signal"]), 128 + status["signal"]
@@ -248,7 +264,7 @@ class Interpreter:
             socket.send_fds(channel, [len(body).to_bytes(HEADER, "big")], list(fds))
             await asyncio.get_running_loop().sock_sendall(channel, body)
             return await asyncio.wait_for(_receive(channel), ANSWER_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError):
+        except (OSError, asyncio.TimeoutError, ProtocolError):
             return None
 
     def _close_session(self) -> None:
@@ -295,12 +311,37 @@ def _signal_reason(signum: int) -> str:
 
 
 async def _receive(channel: socket.socket) -> dict | None:
-    """The next message on ``channel``, or None when it closed."""
+    """The next message on ``channel``, or None when it closed; ProtocolError for what the protocol never sends
+    (an absurd length, a body that is not a JSON object)."""
     header = await _read_exactly(channel, HEADER)
     if header is None:
         return None
-    body = await _read_exactly(channel, int.from_bytes(header, "big"))
-    return None if body is None else json.loads(body)
+    size = int.from_bytes(header, "big")
+    if size > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"a message of {size} bytes announced ({header!r}), more than the "
+                            f"{MAX_MESSAGE_BYTES} any message has")
+    body = await _read_exactly(channel, size)
+    if body is None:
+        return None
+    try:
+        message = json.loads(body)
+    except ValueError:  # not JSON, or not UTF-8
+        raise ProtocolError(f"a message that is not JSON ({body[:60]!r})") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a message that is not a JSON object ({body[:60]!r})")
+    return message
+
+
+def _checked_reply(reply: dict | None, token: str) -> dict | None:
+    """A session's reply to the call ``token`` (None: its socket closed), ProtocolError when it is not one: the
+    code wrote its own, or the session's real reply to an earlier call came late."""
+    if reply is None:
+        return None
+    if reply.get("call") != token or isinstance(reply.get("exit_code"), bool) \
+            or not isinstance(reply.get("exit_code"), int):
+        shown = json.dumps(reply)
+        raise ProtocolError(f"a reply that is not the session's to this call ({shown[:60]})")
+    return reply
 
 
 async def _read_exactly(channel: socket.socket, size: int) -> bytes | None:

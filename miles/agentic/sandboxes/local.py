@@ -21,8 +21,9 @@ processes together:
   and cannot leave it, as it can leave a process group or session.
 
 The disk quota (``disk_mb``) bounds what the sandbox holds: its workspace and each run's private
-temporary folder (``/tmp`` in bwrap mode, ``$TMPDIR`` in subprocess mode), both folders of the
-sandbox's own directory on disk. No file may grow past the quota (``RLIMIT_FSIZE``); the sum is
+temporary folders (``/tmp`` and ``/dev/shm`` in bwrap mode, ``$TMPDIR`` in subprocess mode), all folders of the
+sandbox's own directory on disk; nothing else in bwrap mode is writable (its ``/dev``, a tmpfs, is read-only but
+for those mounts and the devices). No file may grow past the quota (``RLIMIT_FSIZE``); the sum is
 measured every ``DISK_CHECK_S`` while commands run and when each ends, and a run that took the sandbox
 over the quota is stopped and fails, with a line saying so. The sandbox stays usable: a later command
 may remove files (a run that started over the quota is stopped only if it grows it further). Measured,
@@ -162,8 +163,9 @@ class LocalSandbox:
 
     async def reset(self) -> None:
         """Put the sandbox back as :meth:`start` left it, for another trajectory (what a pool does when one ends):
-        every process but the interpreter's zygote killed, the workspace, ``/tmp`` and bwrap's ``/dev`` as they
-        were, a new interpreter session (:meth:`.Interpreter.reset`). ResetError when that cannot be done or
+        every process but the interpreter's zygote killed, the workspace, ``/tmp``, ``/dev/shm``, ``/dev/mqueue``
+        and ``/dev/pts`` as they were (what they hold, and the modes, extended attributes and times of what stayed),
+        a new interpreter session (:meth:`.Interpreter.reset`). ResetError when that cannot be done or
         verified, or the sandbox hit a limit since (``spoiled``): it must then be closed, not reused."""
         why = ("it is closed" if self._closed else "it is not warm" if not self.warm else
                "it was not started by start()" if self._first is None else
@@ -243,20 +245,32 @@ class LocalSandbox:
         return os.path.join(self._root, "work")
 
     def _new_run(self) -> processes.Run:
-        """A run's state and its private temporary folder (``/tmp`` in bwrap mode), registered; the disk
-        watch runs while any run does."""
+        """A run's state and its private folder (its temporary folders), registered; the disk watch runs while any
+        run does."""
         assert self._root is not None
         self._runs_started += 1
-        tmp = os.path.join(self._root, f"run-{self._runs_started}")
-        storage.make_folder(tmp, self._owner)
-        workspace = PurePosixPath(self._root, "work")
-        if self.isolation == "bwrap" and PurePosixPath("/tmp") in workspace.parents:
-            # bwrap would make the workspace's mount point in the run's /tmp: made now, it is in the baseline
-            storage.write_below(tmp, workspace.relative_to("/tmp").parts, None, self._owner)
-        self._disk_used += storage.BLOCK + storage.disk_use(tmp)  # a few folders: the baseline holds them
-        run = processes.Run(tmp, baseline=self._disk_used, bwrap=self.isolation == "bwrap")
+        folder = os.path.join(self._root, f"run-{self._runs_started}")
+        storage.make_folder(folder, self._owner)
+        self._scratch(folder)
+        self._disk_used += storage.BLOCK + storage.disk_use(folder)  # a few folders: the baseline holds them
+        run = processes.Run(folder, baseline=self._disk_used, bwrap=self.isolation == "bwrap")
         self._watch(run)
         return run
+
+    def _scratch(self, folder: str) -> tuple[str, str]:
+        """The temporary folders in ``folder`` (of the sandbox's directory, so that the quota counts them), made when
+        missing: ``tmp``, the ``/tmp`` of bwrap mode and the ``$TMPDIR`` of subprocess mode, and ``shm``, the
+        ``/dev/shm`` of bwrap mode."""
+        tmp, shm = os.path.join(folder, "tmp"), os.path.join(folder, "shm")
+        if not os.path.isdir(tmp):
+            storage.make_folder(tmp, self._owner)
+            workspace = PurePosixPath(self._root, "work")  # type: ignore[arg-type]
+            if self.isolation == "bwrap" and PurePosixPath("/tmp") in workspace.parents:
+                # bwrap would make the workspace's mount point in /tmp: made now, it is in the baseline
+                storage.write_below(tmp, workspace.relative_to("/tmp").parts, None, self._owner)
+        if self.isolation == "bwrap" and not os.path.isdir(shm):
+            storage.make_folder(shm, self._owner)
+        return tmp, shm
 
     def _watch(self, run: processes.Run | WarmCall) -> None:
         """Register a run; the disk watch runs while any run does."""
@@ -328,18 +342,16 @@ class LocalSandbox:
         return self._interpreter
 
     def _new_interpreter(self) -> Interpreter:
-        """The persistent interpreter as :meth:`_spawn` starts a command, with the sandbox's ``tmp`` folder as its
-        ``/tmp``, no CPU limit of its own (it gives each call ``cpu_s`` more) and the channel it is fed on."""
+        """The persistent interpreter as :meth:`_spawn` starts a command, with the sandbox's ``tmp`` and ``shm``
+        folders as its ``/tmp`` and ``/dev/shm`` (for its life), no CPU limit of its own (it gives each call
+        ``cpu_s`` more) and the channel it is fed on."""
         assert self._root is not None
-        workspace, tmp = os.path.join(self._root, "work"), os.path.join(self._root, "tmp")
-        if not os.path.isdir(tmp):
-            storage.make_folder(tmp, self._owner)
-            if self.isolation == "bwrap" and PurePosixPath("/tmp") in PurePosixPath(workspace).parents:
-                storage.write_below(tmp, PurePosixPath(workspace).relative_to("/tmp").parts, None, self._owner)
+        workspace = os.path.join(self._root, "work")
+        tmp, shm = self._scratch(self._root)
         limits = [limit for limit in self._rlimits if limit[0] != resource.RLIMIT_CPU]
         server = ["-I", "-c", server_source(), str(CHANNEL_FD), self.isolation, str(self._cpu_s), workspace]
         if self.isolation == "bwrap":
-            bwrap = processes.bwrap_argv(workspace, tmp, self.max_procs, self.mounts, self.cwd)
+            bwrap = processes.bwrap_argv(workspace, tmp, shm, self.max_procs, self.mounts, self.cwd)
             argv = ["/bin/sh", "-c", WATCH_LIFELINE, "sh", *bwrap, "python3", *server]
             setup = processes.child_setup(os.getpid(), limits, signal.SIGKILL)
             options = processes.spawn_options(workspace, setup, tmp="/tmp", as_nobody=True)
@@ -403,8 +415,9 @@ class LocalSandbox:
     async def _spawn(self, run: processes.Run, command: str) -> tuple[asyncio.SubprocessTransport, processes.Output]:
         """Start ``command``: in bwrap mode behind the lifeline watcher, in subprocess mode under the reaper."""
         workspace = os.path.join(self._root, "work")  # type: ignore[arg-type]
+        tmp, shm = self._scratch(run.folder)  # type: ignore[arg-type]
         if self.isolation == "bwrap":
-            bwrap = processes.bwrap_argv(workspace, run.tmp, self.max_procs, self.mounts, self.cwd)
+            bwrap = processes.bwrap_argv(workspace, tmp, shm, self.max_procs, self.mounts, self.cwd)
             argv = ["/bin/sh", "-c", processes.WATCH_LIFELINE, "sh", *bwrap, "/bin/sh", "-c", command]
             setup = processes.child_setup(os.getpid(), self._rlimits, signal.SIGKILL)
             options = processes.spawn_options(workspace, setup, run.lifeline_in, tmp="/tmp", as_nobody=True)
@@ -415,7 +428,7 @@ class LocalSandbox:
                     "/bin/sh", "-c", command]
             # SIGTERM: the reaper's cue to kill what the command started (SIGKILL would orphan it)
             setup = processes.child_setup(os.getpid(), [], signal.SIGTERM, subreaper=True)
-            options = processes.spawn_options(workspace, setup, run.lifeline_in, tmp=run.tmp, as_nobody=False)
+            options = processes.spawn_options(workspace, setup, run.lifeline_in, tmp=tmp, as_nobody=False)
         try:
             transport, output = await asyncio.get_running_loop().subprocess_exec(
                 lambda: processes.Output(self.output_bytes), *argv, **options)
@@ -442,12 +455,12 @@ class LocalSandbox:
                 run.stop()
 
     async def _end_disk(self, run: processes.Run) -> None:
-        """Once a run's processes are gone: measure the sandbox with the run's temporary folder (what it wrote
-        there counts too), whether the run took it over the quota, then remove the folder (once)."""
-        if self._root is None or run.tmp is None:
+        """Once a run's processes are gone: measure the sandbox with the run's private folder (what it wrote in its
+        temporary folders counts too), whether the run took it over the quota, then remove the folder (once)."""
+        if self._root is None or run.folder is None:
             return
-        tmp, run.tmp = run.tmp, None
-        used, self._disk_used = await asyncio.to_thread(storage.measure_and_remove, self._root, tmp)
+        folder, run.folder = run.folder, None
+        used, self._disk_used = await asyncio.to_thread(storage.measure_and_remove, self._root, folder)
         if used > max(self._disk_bytes, run.baseline) and run.over_quota is None:
             run.over_quota = used
 

@@ -32,22 +32,25 @@ _PR_SET_CHILD_SUBREAPER = 36
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: a child between fork and exec must not dlsym
 
 
-def bwrap_argv(workspace: str, tmp: str, max_procs: int, mounts: tuple[str, ...] = (),
-                cwd: str | None = None) -> list[str]:
-    """bwrap and its options, ending where the command goes. ``tmp`` (a folder of the sandbox's directory,
-    counted by the disk quota) is the run's ``/tmp``. The process limit is set inside the new user
-    namespace (by prlimit) so that it counts this sandbox's processes only.
+def bwrap_argv(workspace: str, tmp: str, shm: str, max_procs: int, mounts: tuple[str, ...] = (),
+               cwd: str | None = None) -> list[str]:
+    """bwrap and its options, ending where the command goes. ``tmp`` and ``shm`` (folders of the sandbox's
+    directory, counted by the disk quota) are the run's ``/tmp`` and ``/dev/shm``. The process limit is set inside
+    the new user namespace (by prlimit) so that it counts this sandbox's processes only.
+
+    bwrap's ``/dev`` is a tmpfs: it is made read-only once its mounts are in place, so that nothing is written in
+    memory no quota counts and nothing of a run is left there (its devices, ``/dev/pts`` and ``/dev/mqueue`` work as
+    before). With mounts, the root is bwrap's own tmpfs holding this machine's top-level folders read-only, so
+    that the mounts' folders can be made beside them; it is made read-only too.
 
     No ``--new-session``: bwrap is started in a session of its own, without a controlling terminal (what
-    that option protects against), and so the sandbox's init stays in the process group a run kills.
-
-    With mounts, the root is bwrap's own tmpfs holding this machine's top-level folders read-only, so
-    that the mounts' folders can be made beside them."""
+    that option protects against), and so the sandbox's init stays in the process group a run kills."""
     root = ["--ro-bind", "/", "/"] if not mounts else top_level_binds()
     binds = [arg for mount in mounts for arg in ("--bind", os.path.join(workspace, mount.lstrip("/")), mount)]
-    return ["bwrap", *root, "--dev", "/dev", "--mqueue", "/dev/mqueue", "--proc", "/proc", "--bind", tmp, "/tmp",
-            "--bind", workspace, workspace, *binds, "--chdir", cwd or workspace, "--unshare-all",
-            "--die-with-parent", "--", "prlimit", f"--nproc={max_procs}", "--"]
+    read_only = ["--remount-ro", "/dev", *(["--remount-ro", "/"] if mounts else [])]
+    return ["bwrap", *root, "--dev", "/dev", "--bind", shm, "/dev/shm", "--mqueue", "/dev/mqueue", "--proc", "/proc",
+            "--bind", tmp, "/tmp", "--bind", workspace, workspace, *binds, *read_only, "--chdir", cwd or workspace,
+            "--unshare-all", "--die-with-parent", "--", "prlimit", f"--nproc={max_procs}", "--"]
 
 
 def top_level_binds() -> list[str]:
@@ -119,11 +122,11 @@ def in_child(parent_pid: int, limits: list[tuple[int, int, int]], death_signal: 
 
 
 class Run:
-    """One command of a sandbox: its private temporary folder, its lifeline (closing our end tells the
-    watcher or reaper to kill everything of the run), its processes, and its disk baseline."""
+    """One command of a sandbox: its private folder (its ``/tmp`` and ``/dev/shm``), its lifeline (closing our end
+    tells the watcher or reaper to kill everything of the run), its processes, and its disk baseline."""
 
-    def __init__(self, tmp: str, *, baseline: int, bwrap: bool) -> None:
-        self.tmp: str | None = tmp  # None once removed
+    def __init__(self, folder: str, *, baseline: int, bwrap: bool) -> None:
+        self.folder: str | None = folder  # None once removed
         self.baseline, self.bwrap = baseline, bwrap  # baseline: the sandbox's disk use when the run started
         self.lifeline_in, self._lifeline = os.pipe()
         self.transport: asyncio.SubprocessTransport | None = None
@@ -181,11 +184,11 @@ def bwrap_problem() -> str | None:
     try:
         os.chmod(root, 0o711)
         owner = (NOBODY, NOBODY) if os.geteuid() == 0 else None
-        workspace, tmp = os.path.join(root, "work"), os.path.join(root, "tmp")
-        storage.make_folder(workspace, owner)
-        storage.make_folder(tmp, owner)
+        workspace, tmp, shm = (os.path.join(root, name) for name in ("work", "tmp", "shm"))
+        for folder in (workspace, tmp, shm):
+            storage.make_folder(folder, owner)
         options = spawn_options(workspace, child_setup(os.getpid(), [], signal.SIGKILL))
-        done = subprocess.run([*bwrap_argv(workspace, tmp, 64), "true"], **options, timeout=60)
+        done = subprocess.run([*bwrap_argv(workspace, tmp, shm, 64), "true"], **options, timeout=60)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{type(exc).__name__}: {exc}"
     finally:

@@ -55,10 +55,10 @@ def disk_use(path: str) -> int:
     return total
 
 
-def measure_and_remove(root: str, tmp: str) -> tuple[int, int]:
-    """The disk use of ``root`` with its folder ``tmp``, then without it, once it is removed."""
-    used, share = disk_use(root), BLOCK + disk_use(tmp)
-    remove_tree(tmp)
+def measure_and_remove(root: str, folder: str) -> tuple[int, int]:
+    """The disk use of ``root`` with its folder ``folder`` (a run's), then without it, once it is removed."""
+    used, share = disk_use(root), BLOCK + disk_use(folder)
+    remove_tree(folder)
     return used, max(0, used - share)
 
 

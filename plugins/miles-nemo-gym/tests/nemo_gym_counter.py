@@ -8,7 +8,8 @@ from miles import Sample
 
 
 def call(name, **arguments):
-    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+    """A call as the chat template renders it (what a model trained on the template writes)."""
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 
 
 def counter_sample(rows, index):

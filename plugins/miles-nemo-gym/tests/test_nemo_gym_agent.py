@@ -82,6 +82,7 @@ def test_run_rewards_and_records_each_sample_through_its_session(agent, tokenize
         assert (session.status, session.turns, session.finish_reason) == ("open", 3, "stop")
         assert session.tool_stats["calls"] == session.tool_stats["succeeded"] == 3
         assert session.loss_mask.count(1) > 0 and session.loss_mask.count(0) > 0
+        assert session.tito["mismatches"] == 0  # one trajectory: the template renders the history as it was held
         assert session.last_text.startswith("The count is ")
         assert "reward" not in sample.metadata["nemo_gym"]
     assert json.loads(sessions[0].messages[-2]["content"]) == {"count": 6}  # the counter, by this session's cookie

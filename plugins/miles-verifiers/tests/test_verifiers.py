@@ -59,10 +59,11 @@ def tokenizer(chat_model_dir):
 
 def look_it_up(turn: int, observation: str) -> str:
     """The scripted policy: call the tool with the key the prompt names, then answer with what it returned
-    (except for ``fig``, answered wrong as ``figs``)."""
+    (except for ``fig``, answered wrong as ``figs``). The call is written as the chat template renders it (what a
+    model trained on the template writes), so the session's tokens stay the template's rendering."""
     if turn == 1:
         key = re.search(r"under (k\d)", observation).group(1)
-        return f'<tool_call>{{"name": "words_lookup", "arguments": {{"key": "{key}"}}}}</tool_call>'
+        return f'<tool_call>\n{{"name": "words_lookup", "arguments": {{"key": "{key}"}}}}\n</tool_call>'
     word = re.search(r"<tool_response>\n(.*)\n</tool_response>", observation).group(1)
     return "figs" if word == "fig" else word
 
@@ -101,7 +102,7 @@ def test_episodes_go_through_the_session_and_the_rubric_rewards_them(registry, t
     # The session recorded the episode token for token: both policy turns (loss mask 1), the tool's answer
     # between them (mask 0), in the rendering of verifiers' messages by the model's chat template.
     text = tokenizer.decode(first.response_ids)
-    call = '<tool_call>{"name": "words_lookup", "arguments": {"key": "k0"}}</tool_call><|im_end|>'
+    call = '<tool_call>\n{"name": "words_lookup", "arguments": {"key": "k0"}}\n</tool_call><|im_end|>'
     assert text == f"{call}\n<|im_start|>user\n<tool_response>\napple\n</tool_response><|im_end|>\n" \
                    f"<|im_start|>assistant\napple<|im_end|>"
     generated = [t for t, m in zip(first.response_ids, first.loss_mask) if m]
@@ -125,15 +126,19 @@ def test_episodes_go_through_the_session_and_the_rubric_rewards_them(registry, t
 
 
 def test_a_trajectory_that_reaches_the_context_length_is_a_truncated_sample(registry, tokenizer, env_args):
-    """The session ends where the model's context does. Cut inside the tool call, the turn has no call, so the
-    harness stops and the rubric scores the cut reply; cut right after a whole call, the harness runs the tool and
-    its next model call is refused: the sample is truncated, without a reward (the ``env`` reward's ``truncated``)."""
+    """The session ends where the model's context does. Cut inside the tool call, the turn has no call (its text is
+    the reply), so the harness stops and the rubric scores the cut reply; cut right after a whole call, the harness
+    runs the tool and its next model call is refused: the sample is truncated, without a reward (the ``env``
+    reward's ``truncated``)."""
     [reference] = run_agent(registry, tokenizer, env_args, [0])
     call = look_it_up(1, "under k0")
     whole_call = len(reference.prompt_ids) + len(tokenizer.encode(call, add_special_tokens=False)) + 1
     [inside] = run_agent(registry, tokenizer, env_args, [0], context_length=whole_call - 5)
     assert inside.status is SampleStatus.TRUNCATED and inside.metadata["tools"]["parse_errors"] == 1
-    assert inside.metadata["env_reward"] == pytest.approx(brief(""))
+    cut_reply = tokenizer.decode([t for t, m in zip(inside.response_ids, inside.loss_mask) if m])
+    assert cut_reply.startswith("<tool_call>\n") and len(cut_reply) > 20
+    # the turn is its text (as a server hands back a call it cannot read), and the rubric scores that
+    assert inside.metadata["env_reward"] == pytest.approx(brief(cut_reply))
     [after] = run_agent(registry, tokenizer, env_args, [0], context_length=whole_call)
     assert after.status is SampleStatus.TRUNCATED, after.reason
     assert after.reason == f"the context length ({whole_call} tokens) reached"

@@ -83,6 +83,7 @@ class E2BStandIn:
     def __init__(self) -> None:
         self.url = ""
         self.boxes: dict[str, Box] = {}
+        self._teardowns: set[asyncio.Task[None]] = set()  # deleted sandboxes whose processes and files still go
         self.creates = self.created = self.deleted = self.commands = 0
         self.refused: list[str] = []  # the requests without the API key: "METHOD /path"
         self.creating = self.max_open = self.held = self.held_answers = self.held_lists = 0
@@ -205,7 +206,8 @@ class E2BStandIn:
 
     async def _remove_all(self) -> None:
         for sandbox_id in list(self.boxes):
-            await self._remove(sandbox_id)
+            self._remove(sandbox_id)
+        await asyncio.gather(*self._teardowns)
 
     async def _shutdown(self) -> None:
         await self._remove_all()
@@ -277,7 +279,7 @@ class E2BStandIn:
                   token=uuid.uuid4().hex, started=now, ends=now + datetime.timedelta(seconds=lifetime),
                   local=LocalSandbox(isolation="bwrap", mounts=[MOUNT], output_bytes=1 << 20,
                                      workspace_root=self._workspaces.name))
-        box.expiry = self._loop.call_later(lifetime, lambda: asyncio.ensure_future(self._remove(box.sandbox_id)))
+        box.expiry = self._loop.call_later(lifetime, self._remove, box.sandbox_id)
         self.boxes[box.sandbox_id] = box  # counted as open by the caller's change, with creating -1
         return web.json_response({"templateID": template, "sandboxID": box.sandbox_id, "clientID": "standin",
                                   "envdVersion": ENVD_VERSION, "envdAccessToken": box.token, "domain": None},
@@ -306,11 +308,15 @@ class E2BStandIn:
         return web.json_response(listed, headers={"x-next-token": page[-1]} if more else {})
 
     async def _delete(self, request: web.Request) -> web.Response:
-        if not await self._remove(request.match_info["sandbox_id"]):
+        if not self._remove(request.match_info["sandbox_id"]):
             return _error(404, "sandbox not found")
         return web.Response(status=204)
 
-    async def _remove(self, sandbox_id: str) -> bool:
+    def _remove(self, sandbox_id: str) -> bool:
+        """Delete a sandbox as the service does: gone from the list and its commands killed at once, counted as
+        deleted; its processes end and its files go in the background (as a VM is torn down after the answer),
+        so that how long that takes on a busy test machine never counts against the client's timeout. The
+        tests see its processes end (``wait_until_gone``); ``stop`` and ``remove_all`` wait for it."""
         box = self.boxes.pop(sandbox_id, None)
         if box is None:
             return False
@@ -318,10 +324,16 @@ class E2BStandIn:
             box.expiry.cancel()
         for task in box.processes.values():
             task.cancel()
-        await asyncio.gather(*box.processes.values(), return_exceptions=True)
-        await box.local.close()
+        teardown = asyncio.ensure_future(self._tear_down(box))
+        self._teardowns.add(teardown)
+        teardown.add_done_callback(self._teardowns.discard)
         self._changing(deleted=1)
         return True
+
+    @staticmethod
+    async def _tear_down(box: Box) -> None:
+        await asyncio.gather(*box.processes.values(), return_exceptions=True)
+        await box.local.close()
 
     # -- envd -------------------------------------------------------------------------------------------
 

@@ -123,6 +123,22 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _precision(text: str) -> dict[str, Any]:
+    """``--precision``: a builtin scheme's name, or a scheme's spec as JSON."""
+    from miles.precision.schemes import BUILTIN_SCHEMES
+
+    if text in BUILTIN_SCHEMES:
+        return BUILTIN_SCHEMES[text]().spec()
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError:
+        spec = None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"--precision: expected one of {', '.join(BUILTIN_SCHEMES)} or a JSON scheme spec "
+                          f"({{\"path\": \"module:Class\", \"args\": {{...}}}}), got {text!r}")
+    return spec
+
+
 def _engine_args(text: str) -> dict[str, Any]:
     """``--engine-args``: a JSON object of the engine's arguments."""
     try:
@@ -146,7 +162,8 @@ def _cmd_engine_serve(args: argparse.Namespace) -> int:
         serve(args.model, host=args.host, port=args.port, seed=args.seed, admin_token=token, device=args.device,
               dtype=args.dtype, max_request_bytes=int(args.max_request_mib * 2**20),
               max_weight_request_bytes=int(args.max_weight_request_mib * 2**20), allowed_hosts=tuple(args.allowed_host),
-              engine_args={"logprobs_of": args.logprobs_of, **_engine_args(args.engine_args)})
+              engine_args={"logprobs_of": args.logprobs_of, **_engine_args(args.engine_args),
+                           **({"precision": _precision(args.precision)} if args.precision else {})})
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from exc
     return 0
@@ -350,6 +367,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--logprobs-of", default="sampling", choices=["sampling", "truncated", "model"],
                        help="the distribution of the sampled tokens' log-probs: at the request's temperature "
                             "(sampling, SGLang's), also top-p/top-k truncated, or the model's own (temperature 1)")
+    serve.add_argument("--precision", default="", metavar="NAME|JSON",
+                       help="hold the decoder's linear layers in a precision scheme's stored form: a builtin's name "
+                            "(fp8_block, fp8_channel, int4_w4a16, mxfp8, nvfp4) or a scheme's spec, "
+                            "'{\"path\": \"module:Class\", \"args\": {...}}'")
     serve.set_defaults(func=_cmd_engine_serve)
 
     session = sub.add_parser("session", help="the session server for external agent harnesses")

@@ -201,6 +201,16 @@ class LogprobsOfEngine(Protocol):
 
 
 @runtime_checkable
+class PrecisionEngine(Protocol):
+    """A rollout engine (in-process, or a server launcher) with ``accepts_precision = True`` takes a ``precision``
+    argument, a precision scheme's spec (``rollout.precision``): it holds the decoder's linear layers in the scheme's
+    stored form, computes as the scheme says, and takes pushes of that form. Miles refuses ``rollout.precision`` for
+    an engine without it."""
+
+    accepts_precision: bool
+
+
+@runtime_checkable
 class ServerLauncher(Protocol):
     """A rollout engine registered with ``server_launcher = True`` is a server launcher (above)."""
 
@@ -460,6 +470,22 @@ class SnapshotTransport(Protocol):
     streaming schedule then pushes a copy of the weights in a thread of its own while the trainer goes on."""
 
     exports_only: bool
+
+
+@hookspec
+def miles_register_precisions(register: Register) -> None:
+    """Register precision schemes, selected with ``rollout.precision`` (the engines' weights) and ``backend.qat``
+    (training on the weights the engines serve).
+
+    The factory is called with the node's arguments and returns a :class:`miles.precision.schemes.Scheme` (or None:
+    no quantization, the builtin ``bf16``): ``stored`` (the names of its stored tensors, in place of ``weight``),
+    ``check(shape)`` (why a ``[out, in]`` weight cannot be taken, or None), ``quantize(weight)`` and
+    ``dequantize(stored)``, ``activation(x)`` (a layer's input as the engine computes with it, per token),
+    ``quantization_config()`` (its checkpoint's ``config.json`` block), and ``include``/``exclude`` (which linear
+    layers). A scheme is passed to engines in other processes by its class's import path and arguments
+    (``spec()``): a plugin's scheme must be importable there. Builtins: ``bf16``, ``fp8_block``, ``fp8_channel``,
+    ``int4_w4a16``, ``mxfp8`` and ``nvfp4`` (docs/precision.md).
+    """
 
 
 @hookspec

@@ -36,6 +36,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "miles.builtin.backends",
     "miles.builtin.kernels",
     "miles.builtin.weight_transports",
+    "miles.builtin.precision",
     "miles.builtin.loggers",
     "miles.builtin.data",
 )

@@ -69,6 +69,7 @@ KINDS: dict[str, Kind] = {
         Kind("backend", "miles_register_backends", None),
         Kind("weight_transport", "miles_register_weight_transports", None),
         Kind("logprob_kernel", "miles_register_logprob_kernels", None),
+        Kind("precision", "miles_register_precisions", None),
         Kind("logger", "miles_register_loggers", None),
     )
 }

@@ -185,6 +185,19 @@ def test_truncated_importance_sampling(level, mode, expected_loss):
         assert metrics["train/is_weight_mean"] == pytest.approx(math.e) and metrics["train/is_clipped_frac"] == 1.0
 
 
+def test_masked_importance_sampling_drops_tokens_outside_the_band_on_both_sides():
+    """``tis_mode=mask_both``: tokens whose weight leaves [1/cap, cap] are dropped, low ones too (``mask`` keeps
+    those)."""
+    old = torch.tensor([[-1.0, -1.0, -1.0]])
+    batch = SimpleNamespace(rollout_logprobs=torch.tensor([[-2.0, -1.0, 0.0]]))  # weights e, 1, 1/e
+    inputs = LossInputs(old.clone(), old, torch.ones(1, 3), torch.ones(1, 3), 3.0, batch=batch)
+    both, metrics = ppo_clip(inputs, tis="token", tis_mode="mask_both", tis_cap=2.0)
+    assert both.item() == pytest.approx(-1.0 / 3) and metrics["train/is_clipped_frac"] == pytest.approx(2 / 3)
+    upper, metrics = ppo_clip(inputs, tis="token", tis_mode="mask", tis_cap=2.0)
+    assert upper.item() == pytest.approx(-(1.0 + math.exp(-1)) / 3)
+    assert metrics["train/is_clipped_frac"] == pytest.approx(1 / 3)
+
+
 def test_ppo_gae_hand_computed():
     from miles.builtin.advantages import ppo
 
@@ -208,7 +221,7 @@ def test_ppo_gae_hand_computed():
     (["loss.agg=sum"], "loss: loss 'ppo_clip' rejected its arguments: agg='sum' is not an aggregation"),
     (["loss.ratio=seq"], "ratio='seq': expected token or sequence"),
     (["loss.tis=tok"], "tis='tok': expected none, token or sequence"),
-    (["loss.tis_mode=drop"], "tis_mode='drop': expected truncate or mask"),
+    (["loss.tis_mode=drop"], "tis_mode='drop': expected truncate, mask or mask_both"),
     (["loss.tis_cap=0"], "tis_cap must be > 0"),
     (["loss.clip_c=0.9"], "clip_c (the dual clip) must be a number > 1"),
     (["loss.clip_low=1.0"], "need 0 <= clip_low < 1 and clip_high >= 0"),

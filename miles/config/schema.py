@@ -138,6 +138,9 @@ class RolloutConfig:
     engine: Any = _component("local", doc="Rollout engine node; `num_engines` 0 runs it in process, N >= 1 serves N "
                                           "over HTTP as Ray actors")
     weight_sync: Any = _component("auto", doc="Weight transport node: how new weights reach the engines")
+    precision: Any = _component("bf16", doc="Precision scheme node of the engines' weights: `bf16` (none), "
+                                            "`fp8_block`, `fp8_channel`, `int4_w4a16`, `mxfp8`, `nvfp4`; the trainer "
+                                            "pushes the quantized form")
     prompts_per_step: int = key(16, ge=1, doc="Prompts per RL step")
     n_samples: int = key(8, ge=1, doc="Samples per prompt (the group size for GRPO)")
     partial_rollout: bool = key(False, doc="Abort what is still generating once the batch is full; continue it "
@@ -340,6 +343,7 @@ COMPONENT_NODES: dict[str, str] = {
     "rollout.tool_parser": "tool_parser",
     "rollout.engine": "rollout_engine",
     "rollout.weight_sync": "weight_transport",
+    "rollout.precision": "precision",
     "data.generator": "data_generator",
 }
 OPTIONAL_NODES = {"data.generator", "rollout.env", "rollout.sandbox", "rollout.tool_parser"}

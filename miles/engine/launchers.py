@@ -22,6 +22,7 @@ runs ``miles engine serve`` that way (registered as ``miles_server``), and the `
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -222,17 +223,22 @@ class MilesServerLauncher(SubprocessLauncher):
     name = "miles engine serve"
     accepts_lora_adapters = True  # the embedded engine: it merges adapter payloads (backend.lora.sync: adapters)
     logprobs_of_choices = LOGPROBS_OF
+    accepts_precision = True
 
     def __init__(self, seed: int = 0, extra_args: list[str] | None = None, *, startup_timeout_s: float | None = None,
-                 stop_timeout_s: float = 10.0, log_dir: str | None = None, logprobs_of: str = "sampling") -> None:
+                 stop_timeout_s: float = 10.0, log_dir: str | None = None, logprobs_of: str = "sampling",
+                 precision: dict[str, Any] | None = None) -> None:
         super().__init__(startup_timeout_s=startup_timeout_s, stop_timeout_s=stop_timeout_s, log_dir=log_dir)
         self.seed = seed
         self.extra_args = [str(a) for a in extra_args or []]
         self.logprobs_of = logprobs_of
+        self.precision = precision
 
     def command(self, model_path: str, *, host: str, port: int, admin_token: str, threads: int) -> list[str]:
         argv = [sys.executable, "-m", "miles", "engine", "serve", "--model", str(model_path), "--host", host,
                 "--port", str(port), "--seed", str(self.seed), "--logprobs-of", self.logprobs_of]
+        if self.precision is not None:
+            argv += ["--precision", json.dumps(self.precision)]
         return argv + self.extra_args
 
     def environment(self, *, threads: int, admin_token: str) -> dict[str, str]:

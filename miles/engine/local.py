@@ -16,11 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 from miles.engine.image_input import ImageCache, attach_images
+from miles.engine import weight_checks
 from miles.engine.request import Request
 from miles.engine.sampling import SamplingParams, shown
 from miles.lazy import lazy_module
 from miles.models.sampling import LOGPROBS_OF
 from miles.models.vision import vision_spec
+from miles.precision import linear, schemes
 from miles.weights.delta import DeltaRefused, raw_bytes
 from miles.weights.lora import adapter_layers, adapter_problems, is_adapter_payload, merged_weight
 
@@ -40,18 +42,23 @@ class LocalEngine:
     # Takes LoRA adapter payloads (miles.weights.lora) in update_weights and merges them into its base weights
     accepts_lora_adapters = True
     logprobs_of_choices = LOGPROBS_OF  # every distribution of miles.models.sampling
+    accepts_precision = True  # rollout.precision: the decoder's linear layers in a scheme's stored form
 
     def __init__(self, max_batch_size: int = 1024, seed: int = 0, background: bool = False,
                  prefix_cache_tokens: int = 32768, device: str = "cpu", dtype: str = "float32",
-                 exact_logprobs: bool = False, logprobs_of: str = "sampling") -> None:
+                 exact_logprobs: bool = False, logprobs_of: str = "sampling",
+                 precision: dict[str, Any] | None = None) -> None:
         """``device``: cpu, cuda (one GPU) or auto (cuda when torch sees one); ``dtype``: the weights' type (float32,
         bfloat16 or float16; auto: bfloat16 on a GPU that supports it, else float32). ``exact_logprobs``: log-probs as
-        the trainer computes them, bit for bit (``rollout.true_on_policy``); ``logprobs_of``: their distribution."""
+        the trainer computes them, bit for bit (``rollout.true_on_policy``); ``logprobs_of``: their distribution.
+        ``precision``: a precision scheme's spec (``rollout.precision``; :meth:`miles.precision.schemes.Scheme.spec`):
+        the engine holds its linear layers in the scheme's stored form and computes as the scheme says."""
         if not isinstance(exact_logprobs, bool):
             raise ValueError(f"exact_logprobs: expected true or false, got {exact_logprobs!r}")
         if logprobs_of not in LOGPROBS_OF:
             raise ValueError(f"logprobs_of: expected one of {', '.join(LOGPROBS_OF)}, got {logprobs_of!r}")
         self.exact_logprobs, self.logprobs_of = exact_logprobs, logprobs_of
+        self.scheme = schemes.from_spec(precision) if precision is not None else None
         if not _is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens: expected an integer >= 0 (0: no prefix cache), "
                              f"got {prefix_cache_tokens!r}")
@@ -92,6 +99,14 @@ class LocalEngine:
         if dtype == "auto":
             dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
         self.model = hf.load_model(path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.quantized_layers: list[str] = []
+        if self.scheme is not None:
+            names = linear.target_modules(self.model, self.scheme.include, self.scheme.exclude)
+            if problems := linear.shape_problems(self.model, self.scheme, names):
+                raise ValueError(f"precision {self.scheme.name}: {len(problems)} layer(s) it cannot take: "
+                                 f"{'; '.join(problems)} (exclude them: rollout.precision.exclude)")
+            linear.quantize_model(self.model, self.scheme, names)
+            self.quantized_layers = names
         self._lora_base = {}
         self.model.requires_grad_(False)
         self.tokenizer = hf.load_tokenizer(path)
@@ -137,7 +152,7 @@ class LocalEngine:
         current = self.model.state_dict()
         if is_adapter_payload(state_dict):
             return self._update_adapters(current, state_dict, weight_version, allow_non_finite)
-        problems = _weight_problems(current, state_dict, allow_non_finite)
+        problems = weight_checks.weight_problems(current, state_dict, allow_non_finite)
         if problems:
             raise ValueError(f"weight update refused, nothing was applied (the old weights keep serving): "
                              f"{'; '.join(problems)}")
@@ -163,10 +178,10 @@ class LocalEngine:
             raise DeltaRefused(f"the model has no {bad[0]}")
         if not allow_non_finite:
             non_finite = sorted({name for name, _, values in blocks if current[name].dtype.is_floating_point
-                                 and not _finite(_typed(values, current[name].dtype))})
+                                 and not weight_checks.finite(weight_checks.typed(values, current[name].dtype))})
             if non_finite:
                 raise ValueError(f"weight update refused, nothing was applied (the old weights keep serving): "
-                                 f"{len(non_finite)} with NaN or inf values: {_names(non_finite)} "
+                                 f"{len(non_finite)} with NaN or inf values: {weight_checks.names(non_finite)} "
                                  f"(send allow_non_finite: true to load them anyway)")
         with self.batcher.step_lock, torch.no_grad():
             check(current, self.weight_version)
@@ -279,7 +294,7 @@ class LocalEngine:
         load."""
         load = self.batcher.load()
         return {**self.batcher.stats, **load, "waiting_requests": load["waiting_requests"] + len(self._turn),
-                "requests_cancelled": self.cancelled}
+                "requests_cancelled": self.cancelled, "weight_bytes": linear.weight_bytes(self.model)}
 
     def tokenize(self, text: str) -> list[int]:
         """``text`` as the model's tokenizer encodes it (with its special tokens, as SGLang does)."""
@@ -452,49 +467,3 @@ class EngineUnavailable(RuntimeError):
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _weight_problems(current: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
-                     allow_non_finite: bool) -> list[str]:
-    """Every way ``new`` does not fit ``current``, by kind; long name lists end with a count."""
-    missing = [n for n in current if n not in new]
-    unexpected = [n for n in new if n not in current]
-    known = [(n, new[n], c) for n, c in current.items() if n in new]  # in the model's order
-    shapes = [f"{n} (got {tuple(t.shape)}, expected {tuple(c.shape)})" for n, t, c in known if t.shape != c.shape]
-    dtypes = [f"{n} (got {_dtype(t)}, expected {_dtype(c)})" for n, t, c in known
-              if t.dtype != c.dtype and not (t.dtype.is_floating_point and c.dtype.is_floating_point)]
-    non_finite = [] if allow_non_finite else [n for n, t, _ in known if t.dtype.is_floating_point and not _finite(t)]
-    problems = [
-        f"{len(missing)} missing: {_names(missing)}" if missing else "",
-        f"{len(unexpected)} unexpected: {_names(unexpected)}" if unexpected else "",
-        f"{len(shapes)} with the wrong shape: {', '.join(shapes)}" if shapes else "",
-        f"{len(dtypes)} with the wrong dtype (only floating point loads into floating point, any precision): "
-        f"{', '.join(dtypes)}" if dtypes else "",
-        f"{len(non_finite)} with NaN or inf values: {_names(non_finite)} "
-        f"(send allow_non_finite: true to load them anyway)" if non_finite else "",
-    ]
-    return [p for p in problems if p]
-
-
-def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bytes as ``dtype`` (a copy only where their address does not fit it)."""
-    try:
-        return raw.view(dtype)
-    except RuntimeError:
-        return raw.clone().view(dtype)
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """Whether every value is finite. A NaN or inf makes the sum NaN or inf, so a finite sum settles it in one
-    pass that allocates nothing (30 times faster than ``isfinite(t).all()``); a sum that overflowed on
-    finite values is checked element by element."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
-
-
-def _names(names: list[str], limit: int = 50) -> str:
-    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")

@@ -43,7 +43,7 @@ from miles.weights.delta import (
 )
 from miles.weights.delta import weights_checksum as delta_checksum
 from miles.weights.shm import SHM_PATH, MappedWeightFile, host_id, parse_descriptor
-from miles.weights.wire import DTYPES, broadcast_tensors, decode_named_tensors, open_weight_group
+from miles.weights.wire import BROADCAST_DTYPES, broadcast_tensors, decode_named_tensors, open_weight_group
 
 __all__ = ["build_app", "app_runner", "serve", "MAX_REQUEST_BYTES", "MAX_WEIGHT_REQUEST_BYTES"]
 
@@ -243,11 +243,11 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     if not _is_model_dir(path):
         return error_answer(400, f"model_path: expected an HF model directory (with a config.json), "
                                  f"got {shown(path)}")
-    from miles.models.hf import load_model
+    from miles.models.hf import load_weights
 
     def load() -> dict[str, torch.Tensor]:
         try:
-            return load_model(path).state_dict()
+            return load_weights(path)
         except Exception as exc:
             raise ValueError(f"model_path: could not load {path!r} ({type(exc).__name__}: {exc})") from exc
 
@@ -316,7 +316,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         names, dtypes, shapes = _broadcast_layout(body, request.app[ENGINE])
     except ValueError as exc:
         return error_answer(400, str(exc))
-    tensors = {n: torch.empty(s, dtype=DTYPES[d]) for n, d, s in zip(names, dtypes, shapes)}
+    tensors = {n: torch.empty(s, dtype=BROADCAST_DTYPES[d]) for n, d, s in zip(names, dtypes, shapes)}
     await asyncio.get_running_loop().run_in_executor(None, broadcast_tensors, group, list(tensors.values()))
     return await _apply(request, lambda: tensors, body)
 
@@ -334,8 +334,8 @@ def _broadcast_layout(body: Mapping[str, Any], engine: LocalEngine) -> tuple[lis
                          f"{len(dtypes)}, {len(shapes)}")
     if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
         raise ValueError("names: expected distinct tensor names (strings)")
-    if bad := [d for d in dtypes if not isinstance(d, str) or d not in DTYPES]:
-        raise ValueError(f"dtypes: expected names among {', '.join(DTYPES)}, got {shown(bad[0])}")
+    if bad := [d for d in dtypes if not isinstance(d, str) or d not in BROADCAST_DTYPES]:
+        raise ValueError(f"dtypes: expected names among {', '.join(BROADCAST_DTYPES)}, got {shown(bad[0])}")
     if bad := [s for s in shapes if not isinstance(s, list) or not all(_is_int(d, 0, INT64_MAX) for d in s)]:
         raise ValueError(f"shapes: expected lists of sizes >= 0, got {shown(bad[0])}")
     if "weights" in engine.released:

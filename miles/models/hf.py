@@ -324,8 +324,38 @@ def _check_dir(path: str | Path) -> Path:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The model in ``path`` in ``dtype``. A checkpoint in a low-precision stored form (a published block-FP8 one, or
+    one Miles wrote: :mod:`miles.models.quantized`) is dequantized into float weights."""
     config = AutoConfig.from_pretrained(_check_dir(path))
+    if getattr(config, "quantization_config", None):
+        from miles.models.quantized import read_float_weights
+
+        weights = read_float_weights(path)
+        del config.quantization_config
+        with torch.device("meta"):
+            model = _model_class(config).from_config(config, dtype=torch.float32)
+        problems = model.load_state_dict(weights, strict=False, assign=True)
+        model.tie_weights()
+        if missing := [n for n, p in model.named_parameters() if p.is_meta]:
+            raise ConfigError(f"model.path {str(path)!r}: the checkpoint misses {', '.join(missing[:8])}")
+        if problems.unexpected_keys:
+            raise ConfigError(f"model.path {str(path)!r}: the checkpoint holds tensors the model has no place for: "
+                              f"{', '.join(problems.unexpected_keys[:8])}")
+        if (Path(path) / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        return model.to(dtype).eval()
     return _model_class(config).from_pretrained(path, dtype=dtype)
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The weights in ``path`` as an engine takes them: a checkpoint in a stored form as stored, a float one as its
+    model's state dict."""
+    from miles.models.quantized import read_stored_form
+
+    config = json.loads((_check_dir(path) / "config.json").read_text())
+    if config.get("quantization_config"):
+        return read_stored_form(path)
+    return load_model(path).state_dict()
 
 
 def load_critic(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

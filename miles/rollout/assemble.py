@@ -20,12 +20,13 @@ from omegaconf import OmegaConf
 from miles.agentic.sandboxes.pool import SandboxPool
 from miles.agentic.sandboxes.remote import RemoteSandbox
 from miles.config.validate import resolve_tool, split_node, tito_on_mismatch
-from miles.errors import RunError
+from miles.errors import ConfigError, RunError
 from miles.cluster import cores
 from miles.engine.process import separate_process, start_engine_process
 from miles.hookspecs import (BackgroundEngine, CheckedSandbox, ClosingRolloutFn, DescribedSandbox,
                              DiskTransportSwitch, HostedSandbox, LogprobsOfEngine, MemorySaverLauncher,
-                             ProtocolLauncher, RoutedExpertsLauncher, is_server_launcher, takes_option)
+                             PrecisionEngine, ProtocolLauncher, RoutedExpertsLauncher, is_server_launcher,
+                             takes_option)
 from miles.models.hf import context_length
 from miles.models.vision import ImageEncoder
 from miles.rollout.context import RolloutContext
@@ -45,6 +46,11 @@ def rollout_plane(p: Any, model_path: str, transport: Any, ray_cluster: Callable
         engine_args = {**engine_args, "exact_logprobs": True}
     if isinstance(p.registry.get("rollout_engine", engine_args["name"]).obj, LogprobsOfEngine):
         engine_args = {**engine_args, "logprobs_of": str(p.config.rollout.logprobs_of)}  # as the trainer takes them
+    if (scheme := p.build("precision", "rollout.precision")) is not None:
+        if not isinstance(p.registry.get("rollout_engine", engine_args["name"]).obj, PrecisionEngine):
+            raise ConfigError(f"rollout.precision: {scheme.name} needs an engine that holds a low-precision stored "
+                              f"form (accepts_precision); rollout.engine {engine_args['name']!r} does not")
+        engine_args = {**engine_args, "precision": scheme.spec()}
     num_engines = extra.get("num_engines", 0)
     if p.config.cluster.local_mode:
         instead = f"; one in-process engine instead of rollout.engine.num_engines={num_engines}" if num_engines else ""

@@ -167,6 +167,25 @@ def _check_lora(p: Any, model_path: str) -> None:
         check_targets(model_path, options)
 
 
+def _check_precision(p: Any, model_path: str) -> None:
+    """``rollout.precision`` and ``backend.qat``: the libraries of their numerics are installed, and the scheme takes
+    every layer it applies to (a model on the meta device)."""
+    from miles.models.quantized import planned_layers
+    from miles.precision.schemes import torchao_module
+
+    for where in ("rollout.precision", "backend.qat"):
+        node = p.config.rollout.precision if where == "rollout.precision" else p.config.backend.get("qat")
+        if node is None or (scheme := p.registry.build("precision", component_node(node), where)) is None:
+            continue
+        try:
+            torchao_module("quantization.quant_primitives")
+            import compressed_tensors  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"{where}: {scheme.name} needs torchao and compressed-tensors: pip install "
+                              f"'miles[precision]' ({exc})") from exc
+        planned_layers(model_path, scheme, where)
+
+
 def _resume_checkpoint(run_dir: Path, p: Any, base_model: str, stack: list[dict[str, Any]]) -> Checkpoint | None:
     found, skipped = newest_intact_checkpoint(run_dir / "checkpoints")
     for problem in skipped:
@@ -320,6 +339,7 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
         _check_share_prefixes(config, model_path)
         check_teacher(config.distill, model_path)
         _check_lora(p, model_path)
+        _check_precision(p, model_path)
         context, room = context_length(model_path), int(config.rollout.sampling.max_new_tokens)
         policy = data_cfg.overlong_prompts
         train_prompts, dropped = _fit_context(train_prompts, train_path, room, context, policy)

@@ -19,6 +19,7 @@ from miles.loop.saved_rollouts import RolloutWriter
 from miles.loop.trajectories import TrajectoryWriter
 from miles.loop.schedules import make_schedule, stream_settings
 from miles.loop.step import Step
+from miles.models.quantized import planned_layers
 from miles.rollout.assemble import close_with_run, rollout_context, rollout_plane
 from miles.rollout.collect import GroupCollector
 from miles.rollout.data_source import PromptSource
@@ -28,6 +29,7 @@ from miles.run.state import RunState, frozen_heap, rewind_loggers
 from miles.train.assemble import rl_backend
 from miles.train.process_backend import separate_trainer
 from miles.train.torch_backend import rng_state, set_rng_state
+from miles.weights.precision import StoredFormPush
 
 __all__ = ["RLPhase"]
 
@@ -43,6 +45,8 @@ class RLPhase:
         self.run, self.model_path = run, model_path
         self._remove_partial_checkpoints()
         self.transport = p.build("weight_transport", "rollout.weight_sync")
+        if (scheme := p.build("precision", "rollout.precision")) is not None:  # the engines hold a stored form
+            self.transport = StoredFormPush(self.transport, scheme, planned_layers(model_path, scheme))
         if isinstance(self.transport, ClosingTransport):  # e.g. shm's file under /dev/shm
             run.closing.callback(self.transport.close)
         self.plane = plane = rollout_plane(p, model_path, self.transport, run.ray_cluster, run.closing,

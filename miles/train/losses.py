@@ -85,7 +85,7 @@ def _importance_weights(inputs: LossInputs, level: str, mode: str, cap: float) -
     if level == "sequence":
         log_w = (log_w * mask).sum(dim=1, keepdim=True).expand_as(mask)
     weights = log_w.clamp(max=30.0).exp()
-    over = weights > cap
+    over = (weights > cap) | (weights < 1.0 / cap) if mode == "mask_both" else weights > cap
     corrected = weights.clamp(max=cap) if mode == "truncate" else torch.where(over, 0.0, weights)
     return corrected.detach(), {"train/is_weight_mean": _token_mean(weights, inputs),
                                 "train/is_clipped_frac": _token_mean(over.float(), inputs)}
@@ -101,7 +101,8 @@ def ppo_clip(inputs: LossInputs, clip_low: float = 0.2, clip_high: float = 0.2, 
     sequence's length-normalised ratio ``exp(mean_t(logp - logp_old))``, with each token's gradient.
     ``clip_c`` (dual clip, > 1) bounds the loss of negative-advantage tokens at ``-A clip_c``.
     ``tis`` (``token`` or ``sequence``) weights each token by ``exp(logp_old - logp_rollout)``,
-    truncated at ``tis_cap`` (``tis_mode=truncate``) or dropped above it (``mask``); it needs the
+    truncated at ``tis_cap`` (``tis_mode=truncate``), dropped above it (``mask``) or dropped outside
+    ``[1 / tis_cap, tis_cap]`` (``mask_both``, masked importance sampling); it needs the
     backend's ``old_logprobs: recompute``. ``agg``: see :func:`aggregate`.
     """
     mask, advantages = inputs.loss_mask, inputs.advantages
@@ -132,7 +133,7 @@ def ppo_clip(inputs: LossInputs, clip_low: float = 0.2, clip_high: float = 0.2, 
 def _check_ppo_clip(args: dict[str, Any]) -> None:
     _check_aggregation(args)
     for key, choices in (("ratio", ("token", "sequence")), ("tis", ("none", "token", "sequence")),
-                         ("tis_mode", ("truncate", "mask"))):
+                         ("tis_mode", ("truncate", "mask", "mask_both"))):
         if args[key] not in choices:
             raise ValueError(f"{key}={args[key]!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
     if not (0 <= args["clip_low"] < 1 and args["clip_high"] >= 0):

@@ -11,7 +11,7 @@ import dataclasses
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from miles.lazy import lazy_module
 from miles.train.lora import parse_lora, require_peft
@@ -71,6 +71,9 @@ class TrainOptions:
     # Vision-language models: keep the vision tower's weights as they are (only the language model trains); a
     # text-only model ignores it. docs/multimodal.md
     freeze_vision: bool = False
+    # Quantization-aware training: a precision scheme (a builtin's name, {name, ...args}, or a scheme's spec) whose
+    # engine numerics the training forward takes, with straight-through gradients (null: none). docs/precision.md
+    qat: Union[str, dict, None] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -117,6 +120,13 @@ class TrainOptions:
             object.__setattr__(self, "lora", parse_lora(self.lora))
         except ValueError as exc:
             problems.append(str(exc))
+        try:
+            object.__setattr__(self, "qat", parse_qat(self.qat))
+        except ValueError as exc:
+            problems.append(str(exc))
+        if self.qat is not None and self.lora is not None:
+            problems.append("qat fake-quantizes the model's own linear layers; it cannot go with lora (whose adapters "
+                            "the engine merges into quantized weights it cannot hold)")
         if problems:
             raise ValueError("; ".join(problems))
         if self.lora is not None:
@@ -134,6 +144,27 @@ class TrainOptions:
         else:
             decay = 0.5 * (1.0 + math.cos(progress * math.pi))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
+
+
+def parse_qat(qat: Any) -> dict[str, Any] | None:
+    """``backend.qat`` as a scheme's spec (None: no QAT): a builtin scheme's name, ``{name: ..., <its arguments>}``,
+    or a spec (``{path, args}``, what Miles passes once it has resolved a registered name)."""
+    from miles.precision.schemes import BUILTIN_SCHEMES, from_spec
+
+    if qat is None or qat == "bf16":
+        return None
+    if isinstance(qat, str):
+        qat = {"name": qat}
+    if isinstance(qat, dict) and "path" in qat:
+        from_spec(qat)  # a ValueError naming what is wrong
+        return dict(qat)
+    if isinstance(qat, dict) and qat.get("name") in BUILTIN_SCHEMES:
+        args = {k: v for k, v in qat.items() if k != "name"}
+        try:
+            return BUILTIN_SCHEMES[qat["name"]](**args).spec()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"qat: {exc}") from exc
+    raise ValueError(f"qat: expected a precision scheme ({', '.join(BUILTIN_SCHEMES)}) or null, got {qat!r}")
 
 
 class _OwnSignature:

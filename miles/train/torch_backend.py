@@ -20,6 +20,7 @@ from miles.train.kernels import check_kernel_name, select_kernel
 from miles.models.vision import row_inputs, vision_spec, vision_tower
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
 from miles.models.moe import moe_layout, routing
+from miles.precision.qat import apply_qat
 from miles.train.regularizers import kl_estimate
 from miles.types import LossInputs, TrainBatch
 
@@ -300,8 +301,12 @@ class Policy:
                     totals["train/kl"] += float(
                         (kl_estimate(logprobs, old if ref is None else ref, "k3") * mask).sum()) / normalizer
                     # How far the trainer's log-probs are from the engine's for the same tokens (0 when they agree).
-                    gap = (logprobs - micro.rollout_logprobs.to(self.device)).abs()
+                    rollout = micro.rollout_logprobs.to(self.device)
+                    gap = (logprobs - rollout).abs()
                     totals["train/rollout_logprob_abs_diff"] += float((gap * mask).sum()) / normalizer
+                    # KL(engine || trainer) over the sampled tokens (k3: r - 1 - log r, r = p_trainer / p_engine)
+                    mismatch_kl = kl_estimate(rollout, logprobs, "k3")
+                    totals["train/rollout_kl"] += float((mismatch_kl * mask).sum()) / normalizer
                     if k == 0 and mask.any():  # before the first optimizer step: numerics alone (0.0 when exact)
                         totals["train/logprob_abs_diff_max"] = max(totals.get("train/logprob_abs_diff_max", 0.0),
                                                                    float(gap[mask > 0].max()))
@@ -401,6 +406,8 @@ class TorchBackend:
         torch.manual_seed(seed)
         device = resolve_device(self.options)
         model = hf.load_model(model_path)
+        if self.options.qat is not None:  # the engine's numerics in the forward, straight-through gradients
+            apply_qat(model, self.options.qat)
         if self.options.lora is not None:  # adapters initialised from the seeded RNG, before the move
             lora.apply_lora(model, self.options.lora)
         model = model.to(device).train()

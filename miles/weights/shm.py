@@ -47,8 +47,9 @@ HEADER = struct.Struct("<8sQq")  # magic, sequence, weight_version
 HEADER_BYTES = 64
 ALIGN = 64
 WRITING = -1  # the header's weight_version while the tensors are being written
-# floating point (what weight updates carry), and the integer and bool buffers a state dict may hold
-SHM_DTYPES = Dtypes((*DTYPES, "int64", "int32", "int16", "int8", "uint8", "bool"))
+# floating point (what weight updates carry), the integer and bool buffers a state dict may hold, and the float8
+# values and scales of a low-precision stored form (rollout.precision)
+SHM_DTYPES = Dtypes((*DTYPES, "int64", "int32", "int16", "int8", "uint8", "bool", "float8_e4m3fn", "float8_e8m0fnu"))
 
 
 def host_id() -> str | None:

@@ -137,9 +137,9 @@ class DiskTransport:
         if plane.remote:
             plane.post_all("/update_weights_from_disk", self._last)
         else:
-            from miles.models.hf import load_model
+            from miles.models.hf import load_weights
 
-            _copy_to_local(plane, load_model(path).state_dict(), version)
+            _copy_to_local(plane, load_weights(path), version)
         while len(self._written) > self.keep:
             shutil.rmtree(self._written.pop(0), ignore_errors=True)
         return sum(f.stat().st_size for f in path.glob("*.safetensors"))

@@ -18,8 +18,8 @@ torch = lazy_module("torch")
 dist = lazy_module("torch.distributed")
 safetensors_torch = lazy_module("safetensors.torch")
 
-__all__ = ["DTYPES", "Dtypes", "tensor_bytes", "encode_named_tensors", "decode_named_tensors", "open_weight_group",
-           "broadcast_tensors"]
+__all__ = ["DTYPES", "BROADCAST_DTYPES", "Dtypes", "tensor_bytes", "encode_named_tensors", "decode_named_tensors",
+           "open_weight_group", "broadcast_tensors"]
 
 
 class Dtypes(Mapping[str, "torch.dtype"]):
@@ -49,6 +49,8 @@ class Dtypes(Mapping[str, "torch.dtype"]):
 
 
 DTYPES = Dtypes(("float32", "float16", "bfloat16", "float64"))
+# what a broadcast may carry too: the integer and float8 tensors of a low-precision stored form (rollout.precision)
+BROADCAST_DTYPES = Dtypes((*DTYPES, "int64", "int32", "int8", "uint8", "float8_e4m3fn", "float8_e8m0fnu"))
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -82,6 +84,8 @@ def open_weight_group(master_address: str, master_port: int, rank: int, world_si
 
 
 def broadcast_tensors(group, tensors: list[torch.Tensor]) -> None:
-    """Broadcast each tensor from rank 0, in order (receivers pass preallocated tensors)."""
+    """Broadcast each tensor from rank 0, in order (receivers pass preallocated tensors). Gloo has no float8 types:
+    those (a low-precision stored form's values and scales) travel as their bytes."""
     for tensor in tensors:
-        group.broadcast(tensor, 0).wait()
+        wire = tensor.view(torch.uint8) if tensor.dtype.is_floating_point and tensor.element_size() == 1 else tensor
+        group.broadcast(wire, 0).wait()

@@ -332,11 +332,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrain
 
         weights = read_float_weights(path)
         del config.quantization_config
-        with torch.device("meta"):
-            model = _model_class(config).from_config(config, dtype=torch.float32)
-        problems = model.load_state_dict(weights, strict=False, assign=True)
+        model = _model_class(config).from_config(config, dtype=torch.float32)  # buffers made; weights replaced below
+        problems = model.load_state_dict(weights, strict=False)
         model.tie_weights()
-        if missing := [n for n, p in model.named_parameters() if p.is_meta]:
+        if missing := problems.missing_keys:
             raise ConfigError(f"model.path {str(path)!r}: the checkpoint misses {', '.join(missing[:8])}")
         if problems.unexpected_keys:
             raise ConfigError(f"model.path {str(path)!r}: the checkpoint holds tensors the model has no place for: "

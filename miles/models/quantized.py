@@ -22,7 +22,8 @@ from miles.errors import ConfigError
 from miles.precision.linear import dequantize_weights, quantize_weights
 from miles.precision.schemes import Fp8Block, Scheme, from_spec
 
-__all__ = ["write_stored_form", "read_stored_form", "read_float_weights", "checkpoint_scheme", "planned_layers"]
+__all__ = ["write_stored_form", "read_stored_form", "read_float_weights", "check_stored_form", "checkpoint_scheme",
+           "planned_layers"]
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -77,8 +78,10 @@ def write_stored_form(path: str | Path, scheme: Scheme, names: list[str]) -> Non
         index.unlink()
     save_file({k: v.contiguous() for k, v in stored.items()}, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     config = _config(path)
-    config["quantization_config"] = {**scheme.quantization_config(),
-                                     "miles_precision": {"scheme": scheme.spec(), "layers": names}}
+    block = scheme.quantization_config()
+    for group in block.get("config_groups", {}).values():  # compressed-tensors: exactly these layers (not lm_head)
+        group["targets"] = list(names)
+    config["quantization_config"] = {**block, "miles_precision": {"scheme": scheme.spec(), "layers": names}}
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -130,6 +133,32 @@ def read_stored_form(path: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint in a stored form, as an engine holding that form takes them."""
     path = Path(path)
     return _tie(_tensors(path), path)
+
+
+def check_stored_form(path: str | Path) -> None:
+    """What :func:`read_float_weights` refuses, from the tensors' names and dtypes alone (nothing is loaded): a
+    quantized layer with a stored tensor missing, float8 values with no scale. A ConfigError names the tensor."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    found = checkpoint_scheme(path)
+    if found is None:
+        return
+    scheme, layers = found
+    dtypes: dict[str, str] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            dtypes.update({name: f.get_slice(name).get_dtype() for name in f.keys()})
+    missing = [f"{layer}.{s}" for layer in layers for s in scheme.stored if f"{layer}.{s}" not in dtypes]
+    if missing:
+        raise ConfigError(f"{path}: {', '.join(missing[:8])} missing (each {scheme.name} layer holds "
+                          f"{', '.join(scheme.stored)})")
+    quantized = set(layers)
+    unscaled = [n for n, d in dtypes.items() if d.startswith("F8") and n.endswith(".weight")
+                and n.removesuffix(".weight") not in quantized]
+    if unscaled:
+        raise ConfigError(f"{path}: {', '.join(unscaled[:8])} hold float8 values with no "
+                          f"{unscaled[0].removesuffix('.weight')}.weight_scale_inv beside them")
 
 
 def read_float_weights(path: str | Path) -> dict[str, torch.Tensor]:

@@ -213,7 +213,7 @@ class Fp8Channel(_Float8):
 
     def quantization_config(self) -> dict[str, Any]:
         args = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"}
-        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+        return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": args,
                                               "input_activations": {**args, "dynamic": True, "strategy": "token"}}}}
 
@@ -279,7 +279,7 @@ class Int4W4A16(_Grouped):
     def quantization_config(self) -> dict[str, Any]:
         weights = {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False, "strategy": "group",
                    "group_size": self.group_size}
-        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
 
 

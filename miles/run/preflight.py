@@ -168,13 +168,16 @@ def _check_lora(p: Any, model_path: str) -> None:
 
 
 def _check_precision(p: Any, model_path: str) -> None:
-    """``rollout.precision`` and ``backend.qat``: the libraries of their numerics are installed, and the scheme takes
-    every layer it applies to (a model on the meta device)."""
-    from miles.models.quantized import planned_layers
+    """``rollout.precision``, ``backend.qat`` and ``run.export_precision``: the libraries of their numerics are
+    installed, and the scheme takes every layer it applies to (a model on the meta device)."""
+    from miles.models.quantized import check_stored_form, planned_layers
     from miles.precision.schemes import torchao_module
 
-    for where in ("rollout.precision", "backend.qat"):
-        node = p.config.rollout.precision if where == "rollout.precision" else p.config.backend.get("qat")
+    check_stored_form(model_path)  # a model.path in a low-precision stored form: every scale there
+
+    nodes = {"rollout.precision": p.config.rollout.precision, "backend.qat": p.config.backend.get("qat"),
+             "run.export_precision": p.config.run.export_precision}
+    for where, node in nodes.items():
         if node is None or (scheme := p.registry.build("precision", component_node(node), where)) is None:
             continue
         try:

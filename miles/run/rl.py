@@ -19,7 +19,7 @@ from miles.loop.saved_rollouts import RolloutWriter
 from miles.loop.trajectories import TrajectoryWriter
 from miles.loop.schedules import make_schedule, stream_settings
 from miles.loop.step import Step
-from miles.models.quantized import planned_layers
+from miles.models.quantized import planned_layers, write_stored_form
 from miles.rollout.assemble import close_with_run, rollout_context, rollout_plane
 from miles.rollout.collect import GroupCollector
 from miles.rollout.data_source import PromptSource
@@ -185,6 +185,12 @@ class RLPhase:
             return self.model_path
         out = str(run.run_dir / "final_model")
         self.backend.save_pretrained(out, run.tokenizer, {"phase": "rl", "step": run_cfg.steps, "plugins": run.stack})
+        if (scheme := p.build("precision", "run.export_precision")) is not None:  # what an engine in it serves
+            quantized = str(run.run_dir / f"final_model_{scheme.name}")
+            self.backend.save_pretrained(quantized, run.tokenizer, {"phase": "rl", "step": run_cfg.steps,
+                                                                     "plugins": run.stack})
+            write_stored_form(quantized, scheme, planned_layers(out, scheme, "run.export_precision"))
+            run.summary["final_model_quantized"] = quantized
         self.backend.shutdown()
         p.pm.hook.miles_checkpoint_save(path=out, step=run_cfg.steps)
         return out

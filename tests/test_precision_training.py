@@ -154,3 +154,47 @@ def test_a_published_checkpoint_with_a_scale_missing_is_refused_naming_the_tenso
     err = capsys.readouterr().err
     assert "model.layers.1.self_attn.k_proj.weight hold float8 values with no" in err
     assert "model.layers.1.self_attn.k_proj.weight_scale_inv" in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8_block"])
+def test_low_precision_training_quantizes_every_operand_along_what_it_sums_over(name):
+    """Forward: the engine's numerics. Backward: dx = q(dy) q(W) along N, dW = q(dy^T) q(x^T) along the tokens."""
+    from miles.precision.training import apply_training_precision, quantize_along_rows
+
+    scheme = BUILTIN_SCHEMES[name]()
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 96, bias=False)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].proj = layer
+    assert apply_training_precision(model, scheme) == ["layers.0.proj"]
+    x = torch.randn(2, 7, 64, requires_grad=True)
+    y = layer(x)
+    rows = x.detach().reshape(14, 64)
+    assert torch.equal(y.detach().reshape(14, 96), scheme.activation(rows) @ scheme.fake_quantize(layer.weight).t())
+    dy = torch.randn(2, 7, 96)
+    y.backward(dy)
+    dy_rows = dy.reshape(14, 96)
+    expected_dx = quantize_along_rows(scheme, dy_rows) @ quantize_along_rows(scheme, layer.weight.detach().t()).t()
+    expected_dw = quantize_along_rows(scheme, dy_rows.t()) @ quantize_along_rows(scheme, rows.t()).t()
+    assert torch.equal(x.grad.reshape(14, 64), expected_dx) and torch.equal(layer.weight.grad, expected_dw)
+    assert not torch.allclose(layer.weight.grad, dy_rows.t() @ rows, atol=1e-4)  # not the float gradient
+    assert layer.weight.dtype == torch.float32  # the master weight
+
+
+def test_a_weight_only_scheme_cannot_train_in_low_precision_and_qat_goes_alone(tiny_model_dir):
+    with pytest.raises(ValueError, match="int4_w4a16 quantizes weights only"):
+        TorchBackend(precision="int4_w4a16").setup(str(tiny_model_dir), seed=0)
+    with pytest.raises(ValueError, match="qat and precision both quantize"):
+        TorchBackend(precision="mxfp8", qat="mxfp8")
+    with pytest.raises(ValueError, match="precision: expected a precision scheme"):
+        TorchBackend(precision="fp6")
+
+
+def test_unified_fp8_trains_on_what_the_fp8_engine_computes(tmp_path):
+    """backend.precision fp8_block with rollout.precision fp8_block: the training forward is the engine's."""
+    _, bf16 = run(tmp_path, "bf16_train", "rollout.precision=fp8_block")
+    _, unified = run(tmp_path, "fp8_train", "rollout.precision=fp8_block", "backend.precision=fp8_block")
+    gap = {k: sum(r["train/rollout_logprob_abs_diff"] for r in rows) / len(rows)
+           for k, rows in (("bf16", bf16), ("unified", unified))}
+    assert gap["bf16"] > 5 * gap["unified"]

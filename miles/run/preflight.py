@@ -175,8 +175,9 @@ def _check_precision(p: Any, model_path: str) -> None:
 
     check_stored_form(model_path)  # a model.path in a low-precision stored form: every scale there
 
-    nodes = {"rollout.precision": p.config.rollout.precision, "backend.qat": p.config.backend.get("qat"),
-             "run.export_precision": p.config.run.export_precision}
+    backend = p.config.backend
+    nodes = {"rollout.precision": p.config.rollout.precision, "backend.qat": backend.get("qat"),
+             "backend.precision": backend.get("precision"), "run.export_precision": p.config.run.export_precision}
     for where, node in nodes.items():
         if node is None or (scheme := p.registry.build("precision", component_node(node), where)) is None:
             continue

@@ -23,9 +23,10 @@ def build_backend(p: Any, ray_cluster: Callable[[], Any] | None = None, *, where
     cluster first; without ``ray_cluster`` it is only built (its constructor checks its options). ``where`` names
     the node in errors."""
     node = {**split_node(p.config.backend, "backend")[0], **overrides}  # without how it runs (separate_process)
-    if isinstance(node.get("qat"), (str, dict)) and "path" not in node["qat"]:  # a registered scheme: as its spec
-        scheme = p.registry.build("precision", component_node(node["qat"]), f"{where}.qat")
-        node["qat"] = scheme.spec() if scheme is not None else None
+    for key in ("qat", "precision"):  # a registered precision scheme: as its spec, which any process can build
+        if isinstance(node.get(key), (str, dict)) and "path" not in node[key]:
+            scheme = p.registry.build("precision", component_node(node[key]), f"{where}.{key}")
+            node[key] = scheme.spec() if scheme is not None else None
     if ray_cluster is None or not uses_ray(p.registry.get("backend", node["name"]).obj):
         return p.registry.build("backend", node, where)
     ray_cluster()

@@ -74,6 +74,9 @@ class TrainOptions:
     # Quantization-aware training: a precision scheme (a builtin's name, {name, ...args}, or a scheme's spec) whose
     # engine numerics the training forward takes, with straight-through gradients (null: none). docs/precision.md
     qat: Union[str, dict, None] = None
+    # Training in low precision: a precision scheme (mxfp8, nvfp4, fp8_block, ...) whose quantization every matmul of
+    # the decoder's linear layers takes, forward and backward (emulated on CPU; master weights float32).
+    precision: Union[str, dict, None] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -120,13 +123,17 @@ class TrainOptions:
             object.__setattr__(self, "lora", parse_lora(self.lora))
         except ValueError as exc:
             problems.append(str(exc))
-        try:
-            object.__setattr__(self, "qat", parse_qat(self.qat))
-        except ValueError as exc:
-            problems.append(str(exc))
-        if self.qat is not None and self.lora is not None:
-            problems.append("qat fake-quantizes the model's own linear layers; it cannot go with lora (whose adapters "
-                            "the engine merges into quantized weights it cannot hold)")
+        for key in ("qat", "precision"):
+            try:
+                object.__setattr__(self, key, parse_scheme(getattr(self, key), key))
+            except ValueError as exc:
+                problems.append(str(exc))
+            if getattr(self, key) is not None and self.lora is not None:
+                problems.append(f"{key} quantizes the model's own linear layers; it cannot go with lora (whose "
+                                f"adapters the engine merges into quantized weights it cannot hold)")
+        if self.qat is not None and self.precision is not None:
+            problems.append("qat and precision both quantize the training forward: precision already computes it as "
+                            "the engine under the same scheme does; set one of them")
         if problems:
             raise ValueError("; ".join(problems))
         if self.lora is not None:
@@ -146,25 +153,24 @@ class TrainOptions:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
 
 
-def parse_qat(qat: Any) -> dict[str, Any] | None:
-    """``backend.qat`` as a scheme's spec (None: no QAT): a builtin scheme's name, ``{name: ..., <its arguments>}``,
-    or a spec (``{path, args}``, what Miles passes once it has resolved a registered name)."""
+def parse_scheme(value: Any, key: str) -> dict[str, Any] | None:
+    """``backend.qat`` or ``backend.precision`` as a scheme's spec (None: none): a builtin scheme's name,
+    ``{name: ..., <its arguments>}``, or a spec (``{path, args}``, what Miles passes once it has resolved a registered
+    name)."""
     from miles.precision.schemes import BUILTIN_SCHEMES, from_spec
 
-    if qat is None or qat == "bf16":
+    if value is None or value == "bf16":
         return None
-    if isinstance(qat, str):
-        qat = {"name": qat}
-    if isinstance(qat, dict) and "path" in qat:
-        from_spec(qat)  # a ValueError naming what is wrong
-        return dict(qat)
-    if isinstance(qat, dict) and qat.get("name") in BUILTIN_SCHEMES:
-        args = {k: v for k, v in qat.items() if k != "name"}
-        try:
-            return BUILTIN_SCHEMES[qat["name"]](**args).spec()
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"qat: {exc}") from exc
-    raise ValueError(f"qat: expected a precision scheme ({', '.join(BUILTIN_SCHEMES)}) or null, got {qat!r}")
+    node = {"name": value} if isinstance(value, str) else value
+    try:
+        if isinstance(node, dict) and "path" in node:
+            from_spec(node)  # a ValueError naming what is wrong
+            return dict(node)
+        if isinstance(node, dict) and node.get("name") in BUILTIN_SCHEMES:
+            return BUILTIN_SCHEMES[node["name"]](**{k: v for k, v in node.items() if k != "name"}).spec()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{key}: {exc}") from exc
+    raise ValueError(f"{key}: expected a precision scheme ({', '.join(BUILTIN_SCHEMES)}) or null, got {value!r}")
 
 
 class _OwnSignature:

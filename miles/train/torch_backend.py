@@ -20,7 +20,7 @@ from miles.train.kernels import check_kernel_name, select_kernel
 from miles.models.vision import row_inputs, vision_spec, vision_tower
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
 from miles.models.moe import moe_layout, routing
-from miles.precision.qat import apply_qat
+from miles.precision.training import quantized_training
 from miles.train.regularizers import kl_estimate
 from miles.types import LossInputs, TrainBatch
 
@@ -406,8 +406,7 @@ class TorchBackend:
         torch.manual_seed(seed)
         device = resolve_device(self.options)
         model = hf.load_model(model_path)
-        if self.options.qat is not None:  # the engine's numerics in the forward, straight-through gradients
-            apply_qat(model, self.options.qat)
+        quantized_training(model, qat=self.options.qat, precision=self.options.precision)  # docs/precision.md
         if self.options.lora is not None:  # adapters initialised from the seeded RNG, before the move
             lora.apply_lora(model, self.options.lora)
         model = model.to(device).train()

@@ -76,9 +76,9 @@ class MegatronBackend(RayWorkersBackend):
                               "yet (on CPU it cannot run: megatron/core/optimizer/optimizer.py and clip_grads.py "
                               "allocate on 'cuda'); set it to false")
         self.options = TrainOptions(**options)
-        if self.options.qat is not None:
-            raise ConfigError("backend.qat: the megatron backend does not fake-quantize its layers yet; QAT trains "
-                              "with the torch backend (docs/precision.md)")
+        if self.options.qat is not None or self.options.precision is not None:
+            raise ConfigError("backend.qat, backend.precision: the megatron backend does not quantize its layers yet; "
+                              "QAT and low-precision training run with the torch backend (docs/precision.md)")
         if self.options.logprob_chunk_tokens != 0 or self.options.logprob_kernel != "torch":
             key = "logprob_chunk_tokens" if self.options.logprob_chunk_tokens != 0 else "logprob_kernel"
             raise ConfigError(f"backend.{key}={getattr(self.options, key)!r}: the megatron backend computes log-probs "

@@ -28,8 +28,7 @@ QWEN3_05B = {"hidden_size": 1024, "num_layers": 32, "num_heads": 16, "num_kv_hea
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
         "intermediate_size": 128, "max_position_embeddings": 256}
 
-# check -> (seconds allowed on a GPU, in the dry run): 470 s on a GPU in all, which leaves half a minute for
-# installing within the 8 minutes the check may take (checks rarely use their whole budget).
+# check -> (seconds allowed on a GPU, in the dry run): 530 s on a GPU in all (checks rarely use their whole budget).
 CHECKS = {
     "environment": (20, 60),
     "quickstart": (60, 180),
@@ -39,6 +38,7 @@ CHECKS = {
     "megatron_conformance": (75, 120),
     "logprob_kernels": (30, 60),
     "sglang_run": (150, 30),
+    "precision": (60, 150),
 }
 
 
@@ -249,6 +249,43 @@ def check_sglang_run(dry: bool, tmp: Path) -> dict:
     rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     return {"steps": len(rows), "seconds": round(time.perf_counter() - start, 1),
             "weight_versions": [r["weight_version"] for r in rows]}
+
+
+def check_precision(dry: bool, tmp: Path) -> dict:
+    """Low precision on this device (docs/precision.md): short quickstart runs with an FP8 and an INT4 rollout engine
+    (the embedded engine holding the stored form), INT4 with QAT, and MXFP8 training; each run's push bytes against
+    bf16's and its engine/trainer mismatch. On a GPU it also says whether torchao's MX and FP8 kernels are there
+    (what backend.precision would use for speed; the numerics here are the emulation)."""
+    import torch
+
+    from miles.run.runner import prepare, train
+
+    variants = {"fp8_block_rollout": ["rollout.precision=fp8_block"],
+                "int4_rollout": ["rollout.precision=int4_w4a16"],
+                "int4_rollout_qat": ["rollout.precision=int4_w4a16", "backend.qat=int4_w4a16"],
+                "mxfp8_training": ["backend.precision=mxfp8"]}
+    out: dict = {}
+    for name, extra in variants.items():
+        run_dir = tmp / name
+        overrides = [f"run.dir={run_dir}", "run.progress=false", f"run.steps={3 if dry else 10}", "run.eval_size=0",
+                     "sft.steps=5", f"backend.device={_device(dry)}", f"rollout.engine.device={_device(dry)}", *extra]
+        start = time.perf_counter()
+        train(prepare(str(ROOT / "configs/quickstart.yaml"), overrides))
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        out[name] = {"steps": len(rows), "seconds": round(time.perf_counter() - start, 1),
+                     "logprob_abs_diff": max(r["train/rollout_logprob_abs_diff"] for r in rows),
+                     "push_vs_bf16": round(rows[-1]["weight_sync/stored_bytes"] / rows[-1]["weight_sync/bf16_bytes"],
+                                           3) if "weight_sync/stored_bytes" in rows[-1] else None}
+    if out["int4_rollout_qat"]["logprob_abs_diff"] * 5 > out["int4_rollout"]["logprob_abs_diff"]:
+        raise RuntimeError(f"QAT did not cut the INT4 mismatch 5x: {out}")
+    if torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(0)
+        out["kernels"] = {"compute_capability": f"{capability[0]}.{capability[1]}",
+                          "fp8_tensor_cores": capability >= (8, 9), "mx_tensor_cores": capability >= (10, 0)}
+    import torchao
+
+    out["torchao"] = torchao.__version__
+    return out
 
 
 def run_one(name: str, dry: bool) -> dict:

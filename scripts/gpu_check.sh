@@ -2,7 +2,8 @@
 # The GPU check: installs what it needs, then prints one JSON summary of
 #   the quickstart on CUDA (bf16), the embedded engine's decode tokens/s and the torch backend's training
 #   tokens/s for a random-init Qwen3 of about 0.5B parameters, weight-sync time for it, miles-megatron's
-#   conformance tests on CUDA, and a short run with miles-sglang engines when sglang installs.
+#   conformance tests on CUDA, a short run with miles-sglang engines when sglang installs, and FP8 / INT4 rollout,
+#   INT4 QAT and MXFP8 training (docs/precision.md).
 # At most 8 minutes on one H200-class GPU; each check has a time budget (scripts/gpu_check.py).
 #
 #   bash scripts/gpu_check.sh                    # on the GPU machine, from the repository root
@@ -22,7 +23,7 @@ while [[ $# -gt 0 ]]; do
     --dry-run) dry_run=1 ;;
     --wheels) wheels="$2"; shift ;;
     --python) python="$2"; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (expected --dry-run, --wheels DIR, --python PY)" >&2; exit 2 ;;
   esac
   shift
@@ -39,6 +40,7 @@ if [[ $dry_run == 0 ]]; then
   pip_from=()
   [[ -n "$wheels" ]] && pip_from=(--no-index --find-links "$wheels")
   "$python" -m pip install -q "${pip_from[@]}" --no-deps -e . -e plugins/miles-megatron -e plugins/miles-sglang
+  "$python" -m pip install -q "${pip_from[@]}" --no-deps torchao==0.18.0 compressed-tensors==0.20.0 loguru
   missing=$("$python" - <<'EOF'
 import importlib.metadata as md, re, tomllib
 wanted = set()

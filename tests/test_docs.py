@@ -2,6 +2,7 @@
 
 import importlib.util
 import inspect
+import sys
 from pathlib import Path
 
 from miles import hookspecs
@@ -91,6 +92,7 @@ def test_plugin_guide_examples_train_together(tmp_path):
     from miles.run.runner import prepare, train
 
     module = types.ModuleType("docs_examples")
+    sys.modules["docs_examples"] = module  # importable, as a plugin's module is (the engine rebuilds its scheme)
     exec(compile("\n\n".join(python_blocks(DOCS / "plugins.md")), "docs/plugins.md", "exec"), module.__dict__)
     train(prepare("configs/quickstart.yaml", [
         f"run.dir={tmp_path}", "run.steps=3", "sft.steps=0", "run.eval_size=0", "run.progress=false",
@@ -99,13 +101,14 @@ def test_plugin_guide_examples_train_together(tmp_path):
         "selection=[{name: min_mean_reward, threshold: 0.0}]", "rollout.fn.name=answer_then_check",
         "backend.name=sgd", "rollout.weight_sync.name=counting",
         "run.loggers=[{name: jsonl}, {name: print, every: 1}]", "data.generator.name=subtraction",
-        "model.tokenizer.alphabet=0123456789+-=",
+        "model.tokenizer.alphabet=0123456789+-=", "rollout.precision.name=fp8_tensor",
     ], extra_plugins=[("docs", module)]))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["custom/step_parity"] == r["step"] % 2 for r in rows)  # the lifecycle example ran
     assert all(r["samples/failed"] == 0 for r in rows)
     assert rows[-1]["weight_version"] == 3
+    assert all(0 < r["weight_sync/stored_bytes"] < r["weight_sync/bf16_bytes"] for r in rows)  # the scheme's pushes
 
 
 def test_algorithm_page_examples_train(tmp_path):

@@ -139,6 +139,12 @@ def test_a_published_block_fp8_checkpoint_trains_as_the_model_path(tmp_path, tin
     layer = "model.layers.0.mlp.down_proj.weight"
     plain = load_model(tiny_model_dir).state_dict()[layer]
     assert torch.equal(weights[layer], Fp8Block().fake_quantize(plain)) and not torch.equal(weights[layer], plain)
+    from safetensors.torch import load_file
+
+    published = load_file(model / "model.safetensors")  # an FP8 engine quantizes them back to the published codes
+    again = Fp8Block().quantize(weights[layer])
+    assert torch.equal(again["weight"], published[layer])
+    assert torch.equal(again["weight_scale_inv"], published[layer.replace(".weight", ".weight_scale_inv")])
     assert main(["train", QUICKSTART, f"run.dir={tmp_path / 'run'}", f"model.path={model}", *FROM_PATH,
                  "rollout.precision=fp8_block"]) == 0
 

@@ -2,8 +2,9 @@
 weight dict between its float form (what the trainer holds) and its stored form (what the engine holds).
 
 By default a scheme applies to every ``nn.Linear`` of the decoder's layers (``layers.<i>.``): attention and MLP
-projections. Embeddings, norms, the MoE router, the output layer and a vision tower stay in high precision, as the
-published FP8 and INT4 checkpoints keep them; ``include``/``exclude`` (substrings of module names) change that.
+projections, and the experts of an MoE block (named by their 3-D parameters: :mod:`miles.precision.experts`).
+Embeddings, norms, the MoE router, the output layer and a vision tower stay in high precision, as the published FP8
+and INT4 checkpoints keep them; ``include``/``exclude`` (substrings of module names) change that.
 """
 
 from __future__ import annotations
@@ -13,30 +14,38 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from miles.lazy import lazy_module
+from miles.precision import experts
 from miles.precision.schemes import Scheme
 
 torch = lazy_module("torch")
 
 __all__ = ["QuantizedLinear", "target_modules", "shape_problems", "quantize_model", "quantize_weights",
-           "dequantize_weights", "stored_names", "weight_bytes", "float_bytes"]
+           "dequantize_weights", "weight_bytes"]
 
 _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
 _NEVER = ("visual", "vision_tower", "lm_head", "embed")
 
 
 def target_modules(model: Any, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> list[str]:
-    """The qualified names of the linear layers a scheme applies to, in the model's order: by default every
-    ``nn.Linear`` inside a decoder layer; with ``include``, those whose name contains one of its strings; never one
-    whose name contains a string of ``exclude``."""
+    """The qualified names of the layers a scheme applies to, in the model's order: by default every ``nn.Linear``
+    inside a decoder layer and the experts' parameters of each MoE block there; with ``include``, those whose name
+    contains one of its strings; never one whose name contains a string of ``exclude``."""
     names = []
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) and not isinstance(module, QuantizedLinear):
-            continue
-        chosen = any(s in name for s in include) if include else (
-            bool(_DECODER_LAYER.search(name)) and not any(s in name for s in _NEVER))
-        if chosen and not any(s in name for s in exclude):
-            names.append(name)
+        if isinstance(module, (torch.nn.Linear, QuantizedLinear)):
+            candidates = [name]
+        else:
+            candidates = experts.expert_targets(name, module)
+        for candidate in candidates:
+            chosen = any(s in candidate for s in include) if include else (
+                bool(_DECODER_LAYER.search(candidate)) and not any(s in candidate for s in _NEVER))
+            if chosen and not any(s in candidate for s in exclude):
+                names.append(candidate)
     return names
+
+
+def _is_expert(name: str) -> bool:
+    return name.rpartition(".")[2] in experts.EXPERT_PARAMS and ".experts" in name
 
 
 def shape_problems(model: Any, scheme: Scheme, names: Iterable[str]) -> list[str]:
@@ -44,14 +53,14 @@ def shape_problems(model: Any, scheme: Scheme, names: Iterable[str]) -> list[str
     modules = dict(model.named_modules())
     problems = []
     for name in names:
-        shape = tuple(_weight_shape(modules[name]))
+        if _is_expert(name):  # each expert's matrix
+            owner, _, param = name.rpartition(".")
+            shape = tuple(getattr(modules[owner], param).shape[1:])
+        else:
+            shape = (modules[name].out_features, modules[name].in_features)
         if (why := scheme.check(shape)) is not None:
             problems.append(f"{name} {list(shape)}: {why}")
     return problems
-
-
-def _weight_shape(module: Any) -> tuple[int, int]:
-    return (module.out_features, module.in_features)
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -99,16 +108,15 @@ def quantize_model(model: Any, scheme: Scheme, names: Sequence[str]) -> None:
     """Replace each named ``nn.Linear`` of ``model`` by a :class:`QuantizedLinear` holding its weight's stored form
     (what an engine does once it has loaded float weights)."""
     for name in names:
+        if _is_expert(name):
+            name = name.rpartition(".")[0]  # the experts block, replaced once for both of its parameters
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        linear = getattr(parent, child)
-        if isinstance(linear, torch.nn.Linear):
-            setattr(parent, child, QuantizedLinear.from_linear(linear, scheme))
-
-
-def stored_names(scheme: Scheme, names: Iterable[str]) -> set[str]:
-    """The state-dict names of the stored tensors of the named layers."""
-    return {f"{name}.{suffix}" for name in names for suffix in scheme.stored}
+        module = getattr(parent, child)
+        if isinstance(module, torch.nn.Linear):
+            setattr(parent, child, QuantizedLinear.from_linear(module, scheme))
+        elif experts.is_experts(module):
+            setattr(parent, child, experts.QuantizedExperts(module, scheme))
 
 
 def quantize_weights(weights: Mapping[str, torch.Tensor], scheme: Scheme,
@@ -122,6 +130,9 @@ def quantize_weights(weights: Mapping[str, torch.Tensor], scheme: Scheme,
         if leaf == "weight" and module in targets:
             for suffix, stored in scheme.quantize(tensor).items():
                 out[f"{module}.{suffix}"] = stored
+        elif key in targets:  # an experts parameter: every expert's matrix, stacked
+            for suffix, stored in experts.quantize_stack(scheme, tensor).items():
+                out[experts.stored_name(key, suffix)] = stored
         else:
             out[key] = tensor
     return out
@@ -129,48 +140,34 @@ def quantize_weights(weights: Mapping[str, torch.Tensor], scheme: Scheme,
 
 def dequantize_weights(weights: Mapping[str, torch.Tensor], scheme: Scheme,
                        names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`quantize_weights`: each named layer's stored tensors replaced by ``<name>.weight`` in
-    float32. A layer with a stored tensor missing is a ValueError naming the tensor."""
+    """The inverse of :func:`quantize_weights`: each named layer's stored tensors replaced by its float32 weight
+    (``<name>.weight``, or the experts' parameter). A layer with a stored tensor missing is a ValueError naming it."""
+    owner: dict[str, tuple[str, str]] = {}  # stored tensor name -> (target, suffix)
+    for name in names:
+        for suffix in scheme.stored:
+            owner[experts.stored_name(name, suffix) if _is_expert(name) else f"{name}.{suffix}"] = (name, suffix)
     out: dict[str, torch.Tensor] = {}
-    done: set[str] = set()
-    by_module: dict[str, dict[str, torch.Tensor]] = {}
-    targets = set(names)
     for key, tensor in weights.items():
-        module, _, leaf = key.rpartition(".")
-        if module in targets and leaf in scheme.stored:
-            by_module.setdefault(module, {})[leaf] = tensor
-    for key, tensor in weights.items():
-        module, _, leaf = key.rpartition(".")
-        if module in targets and leaf in scheme.stored:
-            if module not in done:
-                stored = by_module[module]
-                missing = [f"{module}.{s}" for s in scheme.stored if s not in stored]
-                if missing:
-                    raise ValueError(f"{scheme.name}: {', '.join(missing)} missing (each quantized layer holds "
-                                     f"{', '.join(scheme.stored)})")
-                out[f"{module}.weight"] = scheme.dequantize(stored)
-                done.add(module)
-        else:
+        if key not in owner:
             out[key] = tensor
+            continue
+        name, _ = owner[key]
+        float_name = name if _is_expert(name) else f"{name}.weight"
+        if float_name in out:
+            continue
+        stored = {suffix: weights.get(k) for k, (n, suffix) in owner.items() if n == name}
+        if missing := [k for k, (n, suffix) in owner.items() if n == name and stored[suffix] is None]:
+            raise ValueError(f"{scheme.name}: {', '.join(missing)} missing (each quantized layer holds "
+                             f"{', '.join(scheme.stored)})")
+        out[float_name] = (experts.dequantize_stack if _is_expert(name) else _dequantize_one)(scheme, stored)
     return out
+
+
+def _dequantize_one(scheme: Scheme, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return scheme.dequantize(stored)
 
 
 def weight_bytes(model: Any) -> int:
     """The bytes of the model's parameters and buffers as held (stored forms included)."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def float_bytes(model: Any, dtype: Any = None) -> int:
-    """The bytes the model's weights would take with every quantized layer in ``dtype`` (default: bfloat16)."""
-    dtype = dtype or torch.bfloat16
-    total = 0
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            total += module.in_features * module.out_features * torch.tensor([], dtype=dtype).element_size()
-            if module.bias is not None:
-                total += module.bias.numel() * module.bias.element_size()
-    plain = {id(t): t for m in model.modules() if not isinstance(m, QuantizedLinear)
-             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
-    return total + sum(t.numel() * torch.tensor([], dtype=dtype).element_size() if t.is_floating_point()
-                       else t.numel() * t.element_size() for t in plain.values())

@@ -14,6 +14,7 @@ import types
 from typing import Any
 
 from miles.lazy import lazy_module
+from miles.precision.experts import EXPERT_PARAMS, dequantize_stack, experts_forward, is_experts, quantize_stack
 from miles.precision.linear import shape_problems, target_modules
 from miles.precision.schemes import Scheme, from_spec
 
@@ -37,6 +38,26 @@ def _forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight, self.bias)
 
 
+def _experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    scheme: Scheme = self.qat_scheme
+    weights = {}
+    for param in EXPERT_PARAMS:
+        value = getattr(self, param)
+        with torch.no_grad():
+            fake = dequantize_stack(scheme, quantize_stack(scheme, value.detach())).to(value.dtype)
+        weights[param] = straight_through(value, fake)
+
+    def linear(x: torch.Tensor, param: str, expert: int) -> torch.Tensor:
+        if not scheme.weight_only:
+            with torch.no_grad():
+                fake_input = scheme.activation(x.detach())
+            x = straight_through(x, fake_input)
+        return torch.nn.functional.linear(x, weights[param][expert])
+
+    return experts_forward(self, hidden_states, top_k_index, top_k_weights, linear)
+
+
 def apply_qat(model: Any, scheme: Scheme | dict[str, Any]) -> list[str]:
     """Make the target layers of ``scheme`` (or of its spec) in ``model`` compute as its engine does (state dict
     unchanged); returns their names. A layer whose shape the scheme cannot take is a ValueError naming it."""
@@ -45,6 +66,11 @@ def apply_qat(model: Any, scheme: Scheme | dict[str, Any]) -> list[str]:
     if problems := shape_problems(model, scheme, names):
         raise ValueError(f"backend.qat: {scheme.name} cannot take {len(problems)} layer(s): {'; '.join(problems)}")
     for name in names:
+        owner, _, param = name.rpartition(".")
+        if param in EXPERT_PARAMS and is_experts(module := model.get_submodule(owner)):
+            module.qat_scheme = scheme
+            module.forward = types.MethodType(_experts_forward, module)
+            continue
         module = model.get_submodule(name)
         module.qat_scheme = scheme
         module.forward = types.MethodType(_forward, module)

@@ -20,6 +20,7 @@ import types
 from typing import Any
 
 from miles.lazy import lazy_module
+from miles.precision.experts import EXPERT_PARAMS, experts_forward, is_experts
 from miles.precision.linear import shape_problems, target_modules
 from miles.precision.schemes import Scheme, from_spec
 
@@ -64,6 +65,24 @@ def _forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
+def _experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    def linear(x: torch.Tensor, param: str, expert: int) -> torch.Tensor:
+        weight = getattr(self, param)[expert]
+        return _LowPrecisionMatmul.apply(x.float(), weight.float(), self.training_scheme).to(x.dtype)
+
+    return experts_forward(self, hidden_states, top_k_index, top_k_weights, linear)
+
+
+def _shape(modules: dict[str, Any], name: str) -> tuple[int, int]:
+    """``[out, in]`` of a linear layer, or of each expert's matrix."""
+    owner, _, param = name.rpartition(".")
+    if param in EXPERT_PARAMS and owner in modules and is_experts(modules[owner]):
+        out, inp = getattr(modules[owner], param).shape[1:]
+        return int(out), int(inp)
+    return modules[name].out_features, modules[name].in_features
+
+
 def apply_training_precision(model: Any, scheme: Scheme | dict[str, Any]) -> list[str]:
     """Make the target layers of ``scheme`` (or of its spec) in ``model`` train in it (state dict unchanged); returns
     their names. A weight-only scheme (nothing to quantize in the backward) or a layer whose shape the scheme
@@ -77,13 +96,18 @@ def apply_training_precision(model: Any, scheme: Scheme | dict[str, Any]) -> lis
     modules = dict(model.named_modules())
     problems = shape_problems(model, scheme, names)
     group = getattr(scheme, "group_size", 0)
-    problems += [f"{n} [{modules[n].out_features}, {modules[n].in_features}]: its {modules[n].out_features} output "
-                 f"channels are not a multiple of the group of {group} its input gradient sums over"
-                 for n in names if group and modules[n].out_features % group]
+    problems += [f"{n} {list(_shape(modules, n))}: its {_shape(modules, n)[0]} output channels are not a multiple of "
+                 f"the group of {group} its input gradient sums over"
+                 for n in names if group and _shape(modules, n)[0] % group]
     if problems:
         raise ValueError(f"backend.precision: {scheme.name} cannot take {len(problems)} layer(s): "
                          f"{'; '.join(problems)}")
     for name in names:
+        owner, _, param = name.rpartition(".")
+        if param in EXPERT_PARAMS and owner in modules and is_experts(modules[owner]):
+            modules[owner].training_scheme = scheme
+            modules[owner].forward = types.MethodType(_experts_forward, modules[owner])
+            continue
         module = modules[name]
         module.training_scheme = scheme
         module.forward = types.MethodType(_forward, module)

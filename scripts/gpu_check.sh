@@ -3,12 +3,14 @@
 #   the quickstart on CUDA (bf16), the embedded engine's decode tokens/s and the torch backend's training
 #   tokens/s for a random-init Qwen3 of about 0.5B parameters, weight-sync time for it, miles-megatron's
 #   conformance tests on CUDA, a short run with miles-sglang engines when sglang installs, and FP8 / INT4 rollout,
-#   INT4 QAT and MXFP8 training (docs/precision.md).
-# At most 8 minutes on one H200-class GPU; each check has a time budget (scripts/gpu_check.py).
+#   INT4 QAT and MXFP8 training, and FP8 / INT4 SGLang engines on the stored form (docs/precision.md).
+# About 12 minutes on one H200-class GPU (run it in two with --only where a command may take 10); each check has a
+# time budget (scripts/gpu_check.py).
 #
 #   bash scripts/gpu_check.sh                    # on the GPU machine, from the repository root
 #   bash scripts/gpu_check.sh --wheels DIR       # install from wheels in DIR (a machine without internet)
 #   bash scripts/gpu_check.sh --dry-run          # here, on CPU, tiny sizes, nothing installed
+#   bash scripts/gpu_check.sh --only precision sglang_precision   # some checks (the last option)
 #
 # Writes the summary to $OUT/gpu_check.json as well when OUT is set. Exit code 0 when every check passed
 # or was skipped (with the reason in the summary).
@@ -17,14 +19,17 @@ cd "$(dirname "$0")/.."
 
 dry_run=0
 wheels=""
+only=()
 python="${PYTHON:-python3}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) dry_run=1 ;;
     --wheels) wheels="$2"; shift ;;
     --python) python="$2"; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
-    *) echo "gpu_check.sh: unknown argument $1 (expected --dry-run, --wheels DIR, --python PY)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    --only) shift; only=("$@"); break ;;
+    *) echo "gpu_check.sh: unknown argument $1 (expected --dry-run, --wheels DIR, --python PY, --only CHECK ...)" >&2
+       exit 2 ;;
   esac
   shift
 done
@@ -69,4 +74,5 @@ fi
 args=()
 [[ $dry_run == 1 ]] && args+=(--dry-run)
 [[ -n "${OUT:-}" ]] && args+=(--out "$OUT/gpu_check.json")
+[[ ${#only[@]} -gt 0 ]] && args+=(--only "${only[@]}")
 exec "$python" scripts/gpu_check.py "${args[@]}"

@@ -24,7 +24,8 @@ def test_the_dry_run_prints_one_summary_with_every_check(tmp_path):
     checks = summary["checks"]
     assert summary["dry_run"] is True
     assert list(checks) == ["environment", "quickstart", "engine_decode", "train_throughput", "weight_sync",
-                            "megatron_conformance", "logprob_kernels", "sglang_run", "precision"]
+                            "megatron_conformance", "logprob_kernels", "sglang_run", "precision",
+                            "sglang_precision"]
     failed = {name: c for name, c in checks.items() if c["status"] not in ("ok", "skipped")}
     assert not failed, json.dumps(failed, indent=1)[-4000:]
     assert done.returncode == 0 and summary["ok"] is True
@@ -38,6 +39,8 @@ def test_the_dry_run_prints_one_summary_with_every_check(tmp_path):
     assert "triton" in kernels.get("skipped", "") or (kernels["backend"] == "interpreter"
                                                       and kernels["max_abs_diff"] <= 1e-5)
     assert "sglang" in checks["sglang_run"].get("skipped", "") or checks["sglang_run"]["steps"] == 3
+    sglang_precision = checks["sglang_precision"]
+    assert "sglang" in sglang_precision.get("skipped", "") or sglang_precision["fp8_block"]["steps"] == 3
     precision = checks["precision"]
     assert precision["fp8_block_rollout"]["steps"] == 3 and precision["fp8_block_rollout"]["push_vs_bf16"] < 0.7
     assert precision["int4_rollout_qat"]["logprob_abs_diff"] * 5 < precision["int4_rollout"]["logprob_abs_diff"]

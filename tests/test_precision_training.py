@@ -16,7 +16,7 @@ import torch
 from miles.cli import main
 from miles.engine.local import LocalEngine
 from miles.models.hf import load_model
-from miles.models.quantized import read_float_weights, write_stored_form
+from miles.precision.checkpoint import read_float_weights, write_stored_form
 from miles.precision.linear import quantize_weights, target_modules
 from miles.precision.schemes import BUILTIN_SCHEMES, Fp8Block, Int4W4A16
 from miles.train.torch_backend import TorchBackend

@@ -325,10 +325,10 @@ def _check_dir(path: str | Path) -> Path:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The model in ``path`` in ``dtype``. A checkpoint in a low-precision stored form (a published block-FP8 one, or
-    one Miles wrote: :mod:`miles.models.quantized`) is dequantized into float weights."""
+    one Miles wrote: :mod:`miles.precision.checkpoint`) is dequantized into float weights."""
     config = AutoConfig.from_pretrained(_check_dir(path))
     if getattr(config, "quantization_config", None):
-        from miles.models.quantized import read_float_weights
+        from miles.precision.checkpoint import read_float_weights
 
         weights = read_float_weights(path)
         del config.quantization_config
@@ -349,7 +349,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrain
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The weights in ``path`` as an engine takes them: a checkpoint in a stored form as stored, a float one as its
     model's state dict."""
-    from miles.models.quantized import read_stored_form
+    from miles.precision.checkpoint import read_stored_form
 
     config = json.loads((_check_dir(path) / "config.json").read_text())
     if config.get("quantization_config"):

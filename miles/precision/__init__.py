@@ -4,6 +4,12 @@ engine's quantized linear layer and the conversions of a model's weights (``line
 
 A plugin's precision scheme subclasses :class:`Scheme` (this package is one of the public author modules)."""
 
+from miles.lazy import lazy_exports
 from miles.precision.schemes import BUILTIN_SCHEMES, MXFP8, NVFP4, Fp8Block, Fp8Channel, Int4W4A16, Scheme, from_spec
 
-__all__ = ["BUILTIN_SCHEMES", "MXFP8", "NVFP4", "Fp8Block", "Fp8Channel", "Int4W4A16", "Scheme", "from_spec"]
+__all__ = ["BUILTIN_SCHEMES", "MXFP8", "NVFP4", "Fp8Block", "Fp8Channel", "Int4W4A16", "Scheme", "from_spec",
+           "stored_form_copy", "write_stored_form"]
+
+# checkpoints in a stored form (safetensors and transformers are imported when first used)
+__getattr__ = lazy_exports(__name__, {"stored_form_copy": "miles.precision.checkpoint",
+                                      "write_stored_form": "miles.precision.checkpoint"})

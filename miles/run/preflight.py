@@ -170,7 +170,7 @@ def _check_lora(p: Any, model_path: str) -> None:
 def _check_precision(p: Any, model_path: str) -> None:
     """``rollout.precision``, ``backend.qat`` and ``run.export_precision``: the libraries of their numerics are
     installed, and the scheme takes every layer it applies to (a model on the meta device)."""
-    from miles.models.quantized import check_stored_form, planned_layers
+    from miles.precision.checkpoint import check_stored_form, planned_layers
     from miles.precision.schemes import torchao_module
 
     check_stored_form(model_path)  # a model.path in a low-precision stored form: every scale there

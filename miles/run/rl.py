@@ -19,7 +19,7 @@ from miles.loop.saved_rollouts import RolloutWriter
 from miles.loop.trajectories import TrajectoryWriter
 from miles.loop.schedules import make_schedule, stream_settings
 from miles.loop.step import Step
-from miles.models.quantized import planned_layers, write_stored_form
+from miles.precision.checkpoint import planned_layers, write_stored_form
 from miles.rollout.assemble import close_with_run, rollout_context, rollout_plane
 from miles.rollout.collect import GroupCollector
 from miles.rollout.data_source import PromptSource

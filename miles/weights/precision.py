@@ -3,9 +3,9 @@ transport sends the stored form (values and scales) that the engines hold.
 
 :class:`StoredFormPush` wraps the configured transport: each push hands it a view of the backend whose
 ``export_weights()`` is the stored form (:func:`miles.precision.linear.quantize_weights`) and whose
-``save_pretrained`` writes a checkpoint in it (:func:`miles.models.quantized.write_stored_form`), so that ``tensor``,
-``shm``, ``disk``, ``distributed``, ``in_process`` and their delta variants send it unchanged. It reports each push's
-bytes beside the bytes of the same weights in bfloat16.
+``save_pretrained`` writes a checkpoint in it (:func:`miles.precision.checkpoint.write_stored_form`), so that
+``tensor``, ``shm``, ``disk``, ``distributed``, ``in_process`` and their delta variants send it unchanged. It reports
+each push's bytes beside the bytes of the same weights in bfloat16.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class _StoredFormView:
         return stored
 
     def save_pretrained(self, path: str) -> None:
-        from miles.models.quantized import write_stored_form
+        from miles.precision.checkpoint import write_stored_form
 
         self._backend.save_pretrained(path)
         write_stored_form(path, self._push.scheme, self._push.layers)

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from miles.engine.api import SubprocessLauncher
+from miles.precision import from_spec, stored_form_copy
 
 __all__ = ["SGLangLauncher", "sglang_argv", "DTYPES", "RESERVED_FLAGS"]
 
@@ -20,13 +21,18 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # SGLang's
 # Flags Miles sets itself; extra_args may not repeat them (SGLang would take the last one silently).
 RESERVED_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size",
                   "--weight-version", "--random-seed", "--dtype", "--mem-fraction-static", "--enable-memory-saver",
-                  "--enable-return-routed-experts", "--admin-api-key", "--api-key")
+                  "--enable-return-routed-experts", "--admin-api-key", "--api-key", "--quantization")
+# rollout.precision -> SGLang's --quantization for a checkpoint in that stored form (sglang 0.5: fp8 reads the block-FP8
+# layout, weight_scale_inv and weight_block_size; compressed-tensors the pack-quantized and float-quantized formats;
+# modelopt_fp4 NVIDIA's NVFP4). MXFP8 has no loader of Miles' stored form in SGLang.
+QUANTIZATION = {"fp8_block": "fp8", "fp8_channel": "compressed-tensors", "int4_w4a16": "compressed-tensors",
+                "nvfp4": "modelopt_fp4"}
 
 
 def sglang_argv(model_path: str, *, host: str, port: int, tp_size: int = 1, weight_version: int = 0,
                 random_seed: int = 0, dtype: str = "auto", mem_fraction_static: float | None = None,
                 enable_memory_saver: bool = False, enable_return_routed_experts: bool = False, admin_token: str = "",
-                extra_args: list[str] = (), python: str | None = None) -> list[str]:
+                extra_args: list[str] = (), python: str | None = None, quantization: str | None = None) -> list[str]:
     """The command line of one SGLang server."""
     argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
             "--host", host, "--port", str(port), "--tp-size", str(tp_size), "--weight-version", str(weight_version),
@@ -39,6 +45,8 @@ def sglang_argv(model_path: str, *, host: str, port: int, tp_size: int = 1, weig
         argv.append("--enable-return-routed-experts")
     if admin_token:  # the admin endpoints (weights, memory, pause, abort) need it; /generate does not
         argv += ["--admin-api-key", admin_token]
+    if quantization:  # the model path is then a checkpoint in that stored form (rollout.precision)
+        argv += ["--quantization", quantization]
     return argv + [str(a) for a in extra_args]
 
 
@@ -54,10 +62,13 @@ class SGLangLauncher(SubprocessLauncher):
     ``cluster.engine_startup_timeout_s``); ``log_dir``: where the server logs go (a temp folder by default);
     ``logprobs_of`` (``rollout.logprobs_of``): ``sampling``, SGLang's default, reports the sampled tokens'
     log-probs at the request's temperature; ``model`` starts the server with ``SGLANG_RETURN_ORIGINAL_LOGPROB``
-    (temperature 1). SGLang has no log-probs of the top-p/top-k truncated distribution."""
+    (temperature 1). SGLang has no log-probs of the top-p/top-k truncated distribution. ``precision``
+    (``rollout.precision``): the server starts from a copy of the model in the scheme's stored form with the matching
+    ``--quantization`` (:data:`QUANTIZATION`), and the pushes (on disk) are in that form too."""
 
     protocol = "sglang"
     logprobs_of_choices = ("sampling", "model")
+    accepts_precision = True
     ready_path = "/health_generate"  # the server answers once it has generated a token
     name = "SGLang server"
 
@@ -65,10 +76,13 @@ class SGLangLauncher(SubprocessLauncher):
                  random_seed: int = 0, enable_memory_saver: bool | None = None,
                  enable_return_routed_experts: bool | None = None, extra_args: list[str] | None = None,
                  python: str | None = None, startup_timeout_s: float | None = None, log_dir: str | None = None,
-                 stop_timeout_s: float = 30.0, logprobs_of: str = "sampling") -> None:
+                 stop_timeout_s: float = 30.0, logprobs_of: str = "sampling",
+                 precision: dict[str, Any] | None = None) -> None:
         self.check_args({"tp_size": tp_size, "mem_fraction_static": mem_fraction_static, "dtype": dtype,
                          "random_seed": random_seed, "extra_args": extra_args or [],
-                         "startup_timeout_s": startup_timeout_s, "logprobs_of": logprobs_of})
+                         "startup_timeout_s": startup_timeout_s, "logprobs_of": logprobs_of, "precision": precision})
+        self.scheme = from_spec(precision) if precision is not None else None
+        self._stored_form: str | None = None  # the starting checkpoint in the stored form, removed at stop
         self.logprobs_of = logprobs_of
         super().__init__(startup_timeout_s=startup_timeout_s, stop_timeout_s=stop_timeout_s, log_dir=log_dir)
         self._tp_size = tp_size
@@ -109,6 +123,11 @@ class SGLangLauncher(SubprocessLauncher):
             raise ValueError(f"logprobs_of (rollout.logprobs_of): SGLang reports log-probs at the request's "
                              f"temperature (sampling) or, with SGLANG_RETURN_ORIGINAL_LOGPROB, the model's own "
                              f"(model); got {logprobs_of!r}")
+        if (precision := args.get("precision")) is not None:
+            name = from_spec(precision).name
+            if name not in QUANTIZATION:
+                raise ValueError(f"precision (rollout.precision): SGLang loads {', '.join(QUANTIZATION)} checkpoints "
+                                 f"(--quantization {', '.join(sorted(set(QUANTIZATION.values())))}); not {name}")
         timeout = args.get("startup_timeout_s")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"startup_timeout_s: expected a positive number of seconds or null, got {timeout!r}")
@@ -123,12 +142,32 @@ class SGLangLauncher(SubprocessLauncher):
         return float(self._tp_size)
 
     def command(self, model_path: str, *, host: str, port: int, admin_token: str, threads: int) -> list[str]:
+        quantization = None
+        if self.scheme is not None:  # SGLang loads the stored form itself, from a checkpoint written in it
+            self._stored_form = str(stored_form_copy(model_path, self.scheme, self.stored_form_dir(port)))
+            model_path = self._stored_form
+            quantization = QUANTIZATION[self.scheme.name]
         return sglang_argv(model_path, host=host, port=port, tp_size=self._tp_size, weight_version=0,
                            random_seed=self.random_seed, dtype=self.dtype,
                            mem_fraction_static=self.mem_fraction_static,
                            enable_memory_saver=bool(self.enable_memory_saver),
                            enable_return_routed_experts=bool(self.enable_return_routed_experts),
-                           admin_token=admin_token, extra_args=self.extra_args, python=self.python)
+                           admin_token=admin_token, extra_args=self.extra_args, python=self.python,
+                           quantization=quantization)
+
+    def stop(self) -> None:
+        super().stop()
+        if self._stored_form is not None:
+            import shutil
+
+            shutil.rmtree(self._stored_form, ignore_errors=True)
+
+    def stored_form_dir(self, port: int) -> str:
+        """Where the server's starting checkpoint in the stored form is written (beside its log)."""
+        import tempfile
+
+        root = self.log_dir or tempfile.gettempdir()
+        return os.path.join(root, f"sglang-{port}-{self.scheme.name}-model")
 
     def environment(self, *, threads: int, admin_token: str) -> dict[str, str]:
         # /health answers without generating a token: the router's health checks must pass while a colocated

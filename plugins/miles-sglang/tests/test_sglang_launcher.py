@@ -96,6 +96,36 @@ def test_rollout_logprobs_of_reaches_sglang_as_its_environment_switch():
         assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == value
 
 
+@pytest.mark.parametrize("name, flag, stored", [
+    ("fp8_block", "fp8", "weight_scale_inv"), ("int4_w4a16", "compressed-tensors", "weight_packed"),
+    ("nvfp4", "modelopt_fp4", "weight_scale_2"),
+])
+def test_rollout_precision_starts_sglang_on_the_stored_form_with_its_quantization_flag(name, flag, stored,
+                                                                                       tiny_model_dir, tmp_path):
+    """SGLang loads quantized checkpoints itself: the server starts from a copy of the model in the scheme's stored
+    form (the layout and config block its --quantization reads), removed when it stops."""
+    from safetensors import safe_open
+
+    from miles.precision import BUILTIN_SCHEMES
+
+    pytest.importorskip("torchao")
+    launcher = SGLangLauncher(precision=BUILTIN_SCHEMES[name]().spec(), log_dir=str(tmp_path))
+    argv = launcher.command(str(tiny_model_dir), host="127.0.0.1", port=1234, admin_token="", threads=1)
+    assert argv[argv.index("--quantization") + 1] == flag
+    model = argv[argv.index("--model-path") + 1]
+    assert model != str(tiny_model_dir) and model.startswith(str(tmp_path))
+    config = json.load(open(os.path.join(model, "config.json")))["quantization_config"]
+    assert config["miles_precision"]["scheme"]["path"].endswith(type(BUILTIN_SCHEMES[name]()).__name__)
+    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
+        assert f"model.layers.0.mlp.down_proj.{stored}" in f.keys()
+    launcher.stop()
+    assert not os.path.exists(model)
+    with pytest.raises(ValueError, match="SGLang loads fp8_block, fp8_channel, int4_w4a16, nvfp4 checkpoints"):
+        SGLangLauncher(precision=BUILTIN_SCHEMES["mxfp8"]().spec())
+    with pytest.raises(ValueError, match="--quantization are set by Miles"):
+        SGLangLauncher(extra_args=["--quantization", "fp8"])
+
+
 @pytest.mark.parametrize("args, message", [
     ({"tp_size": 0}, "tp_size"), ({"mem_fraction_static": 1.5}, "mem_fraction_static"), ({"dtype": "fp8"}, "dtype"),
     ({"extra_args": ["--port", "1"]}, "--port are set by Miles"), ({"extra_args": "--x"}, "extra_args"),

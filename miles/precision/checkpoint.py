@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from miles.errors import ConfigError
-from miles.precision.linear import dequantize_weights, quantize_weights
+from miles.precision.linear import dequantize_weights, quantize_weights, shape_problems, target_modules
 from miles.precision.schemes import Fp8Block, Scheme, from_spec
 
 __all__ = ["write_stored_form", "read_stored_form", "read_float_weights", "check_stored_form", "checkpoint_scheme",
-           "planned_layers"]
+           "planned_layers", "stored_form_copy"]
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -45,16 +45,14 @@ def _config(path: Path) -> dict[str, Any]:
 def planned_layers(model_path: str | Path, scheme: Scheme, where: str = "rollout.precision") -> list[str]:
     """The layers of the model in ``model_path`` that ``scheme`` quantizes (as the engine finds them, from a model
     on the meta device: nothing is loaded); a layer whose shape it cannot take is a ConfigError naming it."""
-    from transformers import AutoConfig
-
-    from miles.models.hf import _model_class
-    from miles.precision.linear import shape_problems, target_modules
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(model_path)
     if getattr(config, "quantization_config", None):
         del config.quantization_config
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = _model_class(config).from_config(config)
+        model = auto.from_config(config)
     names = target_modules(model, scheme.include, scheme.exclude)
     if problems := shape_problems(model, scheme, names):
         raise ConfigError(f"{where}: {scheme.name} cannot take {len(problems)} layer(s) of {model_path}: "
@@ -182,3 +180,16 @@ def read_float_weights(path: str | Path) -> dict[str, torch.Tensor]:
             raise ConfigError(f"{path}: {', '.join(unscaled)} hold float8 values with no "
                               f"{unscaled[0].removesuffix('.weight')}.weight_scale_inv beside them")
     return _tie({k: v.float() if v.is_floating_point() else v for k, v in floats.items()}, path)
+
+
+def stored_form_copy(model_path: str | Path, scheme: Scheme, out: str | Path) -> Path:
+    """A copy of the float checkpoint in ``model_path`` in the stored form of ``scheme`` (its planned layers), in
+    ``out``: what an engine that loads quantized checkpoints itself (SGLang) starts from."""
+    import shutil
+
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(model_path, out)
+    write_stored_form(out, scheme, planned_layers(model_path, scheme))
+    return out

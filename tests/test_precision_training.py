@@ -88,7 +88,7 @@ def run(tmp_path, name, *overrides):
 def test_int4_rollout_is_measured_and_qat_cuts_the_mismatch(tmp_path):
     _, plain = run(tmp_path, "int4", "rollout.precision=int4_w4a16")
     out, qat = run(tmp_path, "int4_qat", "rollout.precision=int4_w4a16", "backend.qat=int4_w4a16",
-                   "run.export_precision=int4_w4a16")
+                   "run.export_precision=int4_w4a16", "run.save_every=3")
     gap_plain = sum(r["train/rollout_logprob_abs_diff"] for r in plain) / len(plain)
     gap_qat = sum(r["train/rollout_logprob_abs_diff"] for r in qat) / len(qat)
     assert gap_plain > 5 * gap_qat and gap_plain > 1e-3
@@ -107,6 +107,11 @@ def test_int4_rollout_is_measured_and_qat_cuts_the_mismatch(tmp_path):
         if key in held:
             assert torch.equal(held[key], tensor), key
     assert {f"{layer}.weight_packed" for layer in layers} <= set(held)
+    # each checkpoint holds the policy in the stored form too, listed with its files
+    checkpoint = out / "checkpoints" / "step_000006"
+    assert "model_int4_w4a16/model.safetensors" in json.loads((checkpoint / "state.json").read_text())["files"]
+    assert torch.equal(load_file(checkpoint / "model_int4_w4a16" / "model.safetensors")[f"{layers[0]}.weight_packed"],
+                       held[f"{layers[0]}.weight_packed"])
     # compressed-tensors (through transformers' loader, decompressing) reads the export as Miles dequantizes it
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 

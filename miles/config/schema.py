@@ -195,8 +195,9 @@ class RunConfig:
     torch_threads: int = key(0, doc="torch intra-op threads; 0 keeps torch's default")
     save_every: int = key(0, doc="Write a checkpoint every k RL steps (0: none)")
     keep_checkpoints: int = key(2, doc="Newest checkpoints kept (0 keeps all)")
-    export_precision: Any = _component("bf16", doc="Precision scheme node of an extra copy of the final model, "
-                                                   "`final_model_<scheme>/`, in its stored form (`bf16`: none)")
+    export_precision: Any = _component("bf16", doc="Precision scheme node of an extra copy of the final model "
+                                                   "(`final_model_<scheme>/`) and of each checkpoint's "
+                                                   "(`model_<scheme>/`), in its stored form (`bf16`: none)")
     resume: bool = key(False, doc="Continue from the newest complete checkpoint under `<dir>/checkpoints`, if any")
     overwrite: bool = key(False, doc="Replace what an earlier run left in `dir` (without it, a non-empty `dir` is "
                                      "refused)")

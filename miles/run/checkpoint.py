@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,10 @@ def model_signature(model_path: str | Path) -> dict[str, Any]:
     return {k: v for k, v in sorted(config.items()) if k not in _IGNORED_MODEL_KEYS}
 
 
-def save_checkpoint(root: Path, state: dict[str, Any], loop_state: dict[str, Any], backend: Any, keep: int) -> Path:
-    """Write ``step_<state['step']>`` under ``root`` atomically; keep only the newest ``keep``."""
+def save_checkpoint(root: Path, state: dict[str, Any], loop_state: dict[str, Any], backend: Any, keep: int,
+                    extra: Callable[[Path], Any] | None = None) -> Path:
+    """Write ``step_<state['step']>`` under ``root`` atomically; keep only the newest ``keep``. ``extra(folder)``
+    writes more into the checkpoint's folder before it is listed (``run.export_precision``'s model)."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{int(state['step']):06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
@@ -74,6 +77,8 @@ def save_checkpoint(root: Path, state: dict[str, Any], loop_state: dict[str, Any
         (tmp / "backend").mkdir()
         backend.save_checkpoint(str(tmp / "backend"))
         torch.save(loop_state, tmp / "loop.pt")
+        if extra is not None:
+            extra(tmp)
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         (tmp / "state.json").write_text(json.dumps({**state, "files": files}, indent=1))
         if final.exists():  # a step redone after resuming from an earlier checkpoint

@@ -7,6 +7,7 @@ import math
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from statistics import fmean
 from typing import Any
 
@@ -149,9 +150,21 @@ class RLPhase:
                       "collector": self.c.collector.state_dict()}
         with phase(f"saving the checkpoint of step {steps_done}", config.run.progress):
             path = save_checkpoint(run.run_dir / "checkpoints", state, loop_state, self.backend,
-                                   keep=config.run.keep_checkpoints)
+                                   keep=config.run.keep_checkpoints,
+                                   extra=lambda folder: self._export_quantized(folder, "model", steps_done))
         run.p.pm.hook.miles_checkpoint_save(path=str(path), step=steps_done)
         run.timed("checkpoint", save_start)
+
+    def _export_quantized(self, folder: Path, name: str, step: int) -> str | None:
+        """With ``run.export_precision``: the policy as ``<folder>/<name>_<scheme>``, in the scheme's stored form
+        (what an engine in that format serves); its path, else None."""
+        run = self.run
+        if (scheme := run.p.build("precision", "run.export_precision")) is None:
+            return None
+        out = Path(folder) / f"{name}_{scheme.name}"
+        self.backend.save_pretrained(str(out), run.tokenizer, {"phase": "rl", "step": step, "plugins": run.stack})
+        write_stored_form(out, scheme, planned_layers(self.model_path, scheme, "run.export_precision"))
+        return str(out)
 
     def run_steps(self) -> str:
         """Train ``run.steps`` steps (from the checkpoint's, when resumed); returns the exported final policy."""
@@ -185,11 +198,7 @@ class RLPhase:
             return self.model_path
         out = str(run.run_dir / "final_model")
         self.backend.save_pretrained(out, run.tokenizer, {"phase": "rl", "step": run_cfg.steps, "plugins": run.stack})
-        if (scheme := p.build("precision", "run.export_precision")) is not None:  # what an engine in it serves
-            quantized = str(run.run_dir / f"final_model_{scheme.name}")
-            self.backend.save_pretrained(quantized, run.tokenizer, {"phase": "rl", "step": run_cfg.steps,
-                                                                     "plugins": run.stack})
-            write_stored_form(quantized, scheme, planned_layers(out, scheme, "run.export_precision"))
+        if (quantized := self._export_quantized(run.run_dir, "final_model", run_cfg.steps)) is not None:
             run.summary["final_model_quantized"] = quantized
         self.backend.shutdown()
         p.pm.hook.miles_checkpoint_save(path=out, step=run_cfg.steps)

@@ -10,8 +10,8 @@ For ``y = x W^T`` (``x [M, K]``, ``W [N, K]``):
 - input gradient ``dx = dy W``: ``dy`` along ``N``, ``W`` along ``N``;
 - weight gradient ``dW = dy^T x``: ``dy`` and ``x`` along the tokens ``M`` (zero-padded to a whole group).
 
-On a GPU the same option is where real kernels go (torchao's MX linear, TransformerEngine); here the numerics are
-emulated, exactly.
+The numerics are emulated exactly on every device, a GPU included: selecting real kernels behind this option
+(torchao's MX linear, TransformerEngine) is not done yet, as no GPU has been at hand to check them against this.
 """
 
 from __future__ import annotations

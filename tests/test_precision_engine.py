@@ -14,6 +14,7 @@ from miles.engine.local import LocalEngine
 from miles.precision import linear
 from miles.precision.schemes import BUILTIN_SCHEMES, Fp8Block, Int4W4A16
 from miles.testing.fixtures import build_tiny_model
+from test_engine import reference_logprobs
 
 pytest.importorskip("torchao")
 pytest.importorskip("compressed_tensors")
@@ -61,19 +62,11 @@ def test_the_engine_s_logprobs_are_a_float_forward_on_the_dequantized_weights_wi
             got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
             expected = emulated_logprobs(tiny_model_dir, scheme, prompt, answer["output_ids"])
             assert torch.allclose(got, expected, atol=1e-5), (name, got, expected)
-            plain.append(torch.allclose(got, emulated_logprobs_plain(tiny_model_dir, prompt, answer["output_ids"]),
+            plain.append(torch.allclose(got, reference_logprobs(tiny_model_dir, prompt, answer["output_ids"]),
                                         atol=1e-4))
         assert not all(plain)  # the scheme changes what the engine computes
     finally:
         engine.close()
-
-
-def emulated_logprobs_plain(model_dir, prompt, output_ids):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt + output_ids])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-    return logprobs[len(prompt) - 1:].gather(1, ids[0, len(prompt):, None]).squeeze(1)
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_SCHEMES))

@@ -131,6 +131,13 @@ class TrainOptions:
             if getattr(self, key) is not None and self.lora is not None:
                 problems.append(f"{key} quantizes the model's own linear layers; it cannot go with lora (whose "
                                 f"adapters the engine merges into quantized weights it cannot hold)")
+        if isinstance(self.precision, dict):  # parsed: a scheme's spec
+            from miles.precision.schemes import from_spec
+
+            if (scheme := from_spec(self.precision)).weight_only:
+                problems.append(f"precision: {scheme.name} quantizes weights only; training in low precision "
+                                f"quantizes every operand: use mxfp8, nvfp4, fp8_block or fp8_channel (or qat: "
+                                f"{scheme.name} to train on what its engine serves)")
         if self.qat is not None and self.precision is not None:
             problems.append("qat and precision both quantize the training forward: precision already computes it as "
                             "the engine under the same scheme does; set one of them")

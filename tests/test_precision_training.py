@@ -209,3 +209,10 @@ def test_unified_fp8_trains_on_what_the_fp8_engine_computes(tmp_path):
     gap = {k: sum(r["train/rollout_logprob_abs_diff"] for r in rows) / len(rows)
            for k, rows in (("bf16", bf16), ("unified", unified))}
     assert gap["bf16"] > 5 * gap["unified"]
+
+
+def test_lora_adapters_cannot_be_merged_into_a_quantized_engine(tmp_path, capsys):
+    pytest.importorskip("peft")
+    assert main(["train", QUICKSTART, f"run.dir={tmp_path / 'run'}", "rollout.precision=fp8_block",
+                 "backend.lora.rank=4", "backend.lora.sync=adapters"]) == 2
+    assert "set backend.lora.sync: merged" in capsys.readouterr().err and not (tmp_path / "run").exists()

@@ -188,6 +188,10 @@ def _check_precision(p: Any, model_path: str) -> None:
             raise ConfigError(f"{where}: {scheme.name} needs torchao and compressed-tensors: pip install "
                               f"'miles[precision]' ({exc})") from exc
         planned_layers(model_path, scheme, where)
+        if where == "rollout.precision" and (lora := lora_options(p)) is not None and lora.sync == "adapters":
+            raise ConfigError(f"rollout.precision: {scheme.name} engines hold quantized layers, into which LoRA "
+                              f"adapters cannot be merged; set backend.lora.sync: merged (the trainer then pushes "
+                              f"merged weights, quantized)")
 
 
 def _resume_checkpoint(run_dir: Path, p: Any, base_model: str, stack: list[dict[str, Any]]) -> Checkpoint | None:

@@ -22,11 +22,12 @@ from miles.engine.sampling import SamplingParams, shown
 from miles.lazy import lazy_module
 from miles.models.sampling import LOGPROBS_OF
 from miles.models.vision import vision_spec
-from miles.precision import linear, schemes
+from miles.precision import schemes
 from miles.weights.delta import DeltaRefused, raw_bytes
 from miles.weights.lora import adapter_layers, adapter_problems, is_adapter_payload, merged_weight
 
 torch = lazy_module("torch")
+linear = lazy_module("miles.precision.linear")  # its layers subclass torch's: imported when a scheme is used
 # imported when first used: `miles config` reads LocalEngine's arguments without torch or transformers
 batcher = lazy_module("miles.engine.batcher")
 hf = lazy_module("miles.models.hf")

@@ -20,11 +20,11 @@ from miles.train.kernels import check_kernel_name, select_kernel
 from miles.models.vision import row_inputs, vision_spec, vision_tower
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
 from miles.models.moe import moe_layout, routing
-from miles.precision.training import quantized_training
 from miles.train.regularizers import kl_estimate
 from miles.types import LossInputs, TrainBatch
 
 torch = lazy_module("torch")
+low_precision = lazy_module("miles.precision.training")  # QAT, training in low precision: docs/precision.md
 # imported when first used: `miles config` reads TorchBackend's arguments without torch or transformers
 hf = lazy_module("miles.models.hf")
 prefix_tree = lazy_module("miles.train.prefix_tree")
@@ -406,7 +406,7 @@ class TorchBackend:
         torch.manual_seed(seed)
         device = resolve_device(self.options)
         model = hf.load_model(model_path)
-        quantized_training(model, qat=self.options.qat, precision=self.options.precision)  # docs/precision.md
+        low_precision.quantized_training(model, qat=self.options.qat, precision=self.options.precision)
         if self.options.lora is not None:  # adapters initialised from the seeded RNG, before the move
             lora.apply_lora(model, self.options.lora)
         model = model.to(device).train()

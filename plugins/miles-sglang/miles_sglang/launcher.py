@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 from miles.engine.api import SubprocessLauncher
-from miles.precision import from_spec, stored_form_copy
+import miles.precision
+from miles.precision import from_spec
 
 __all__ = ["SGLangLauncher", "sglang_argv", "DTYPES", "RESERVED_FLAGS"]
 
@@ -144,7 +145,8 @@ class SGLangLauncher(SubprocessLauncher):
     def command(self, model_path: str, *, host: str, port: int, admin_token: str, threads: int) -> list[str]:
         quantization = None
         if self.scheme is not None:  # SGLang loads the stored form itself, from a checkpoint written in it
-            self._stored_form = str(stored_form_copy(model_path, self.scheme, self.stored_form_dir(port)))
+            self._stored_form = str(miles.precision.stored_form_copy(model_path, self.scheme,
+                                                                     self.stored_form_dir(port)))
             model_path = self._stored_form
             quantization = QUANTIZATION[self.scheme.name]
         return sglang_argv(model_path, host=host, port=port, tp_size=self._tp_size, weight_version=0,

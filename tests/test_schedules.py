@@ -244,7 +244,10 @@ def test_one_step_off_waits_for_the_last_push_before_the_next_step(tmp_path, mon
                   extra_plugins=[("late", late)]))
     rows = metrics_of(tmp_path)
     assert [r["async/stale_dropped"] for r in rows] == [0, 0, 0, 0]
-    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    # step 1's batch was generated on version 0 while the push was held; later batches are one version old or,
+    # when a loaded machine let the push land before their generation began, current: never two
+    staleness = [r["async/staleness_max"] for r in rows]
+    assert staleness[:2] == [0, 1] and max(staleness) == 1
     assert all(r["train/samples"] == 16 for r in rows)
 
 

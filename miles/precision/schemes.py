@@ -39,7 +39,6 @@ torch = lazy_module("torch")
 __all__ = ["Scheme", "from_spec", "Fp8Block", "Fp8Channel", "Int4W4A16", "MXFP8", "NVFP4", "torchao_module",
            "BUILTIN_SCHEMES"]
 
-E4M3_MAX = 448.0
 SCALE_FLOOR = 1e-12  # NVFP4's second-level scale of an all-zero tensor (its values stay zero), never 0/0
 
 
@@ -375,7 +374,3 @@ def from_spec(spec: Mapping[str, Any]) -> Scheme:
 BUILTIN_SCHEMES: dict[str, type[Scheme]] = {
     cls.name: cls for cls in (Fp8Block, Fp8Channel, Int4W4A16, MXFP8, NVFP4)
 }
-
-
-def stored_bytes(stored: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in stored.values())

@@ -105,6 +105,33 @@ def _die_with_parent() -> None:
         pass
 
 
+def _group_alive(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that have not yet exited (zombies have: they only wait to be reaped)."""
+    members = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no procfs: nothing to look at
+        return members
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as file:
+                    fields = file.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # it ended meanwhile
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                members.append(int(entry))
+    return members
+
+
+def _wait_until_gone(pgid: int, *, timeout_s: float) -> None:
+    """Return once every process of group ``pgid`` has exited: a SIGKILL is delivered, not yet acted on, when
+    ``killpg`` returns, and whoever stops a server may look at its processes next."""
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 class SubprocessLauncher:
     """A server command in a session (process group) of its own, its output in a log file.
 
@@ -210,6 +237,7 @@ class SubprocessLauncher:
             except ProcessLookupError:
                 pass
             break
+        _wait_until_gone(proc.pid, timeout_s=30.0)
 
     def describe(self) -> dict[str, Any]:
         return {"protocol": self.protocol, "tp_size": self.tp_size, "argv": list(self.argv), "log": self.log_path,

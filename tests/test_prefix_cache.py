@@ -341,7 +341,7 @@ def test_server_flush_and_counts_through_the_plane(tiny_model_dir):
         assert states["prefix_cache_tokens"] == len(SYSTEM) + 2
         plane = RolloutPlane(router=Router([base]))
         try:
-            assert plane.prefill_counts() == (2 * len(SYSTEM), len(SYSTEM) + 1)
+            assert plane.prefill_counts()[:2] == (2 * len(SYSTEM), len(SYSTEM) + 1)
         finally:
             plane.close()
         assert post(base + "/flush_cache", {})["success"]
@@ -349,5 +349,5 @@ def test_server_flush_and_counts_through_the_plane(tiny_model_dir):
         post(base + "/generate", {"input_ids": SYSTEM, "sampling_params": params})
         assert counts(engine) == (3 * len(SYSTEM), 2 * len(SYSTEM) + 1)
     local = RolloutPlane(local_engines=[engine])
-    assert local.prefill_counts() == counts(engine)
+    assert local.prefill_counts()[:2] == counts(engine)
     local.close()

@@ -10,12 +10,14 @@ next turn of a trajectory) skip their prefill; weight updates, a new model and `
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from miles.engine.image_input import ImageCache, attach_images
+from miles.engine import speculative as speculative_config
 from miles.engine import weight_checks
 from miles.engine.request import Request
 from miles.engine.sampling import SamplingParams, shown
@@ -34,6 +36,8 @@ hf = lazy_module("miles.models.hf")
 
 __all__ = ["LocalEngine", "MEMORY_TAGS"]
 
+_log = logging.getLogger(__name__)
+
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names; the CPU engine has no CUDA graphs (no-op)
 
 
@@ -48,18 +52,22 @@ class LocalEngine:
     def __init__(self, max_batch_size: int = 1024, seed: int = 0, background: bool = False,
                  prefix_cache_tokens: int = 32768, device: str = "cpu", dtype: str = "float32",
                  exact_logprobs: bool = False, logprobs_of: str = "sampling",
-                 precision: dict[str, Any] | None = None) -> None:
+                 precision: dict[str, Any] | None = None, speculative: dict[str, Any] | None = None) -> None:
         """``device``: cpu, cuda (one GPU) or auto (cuda when torch sees one); ``dtype``: the weights' type (float32,
         bfloat16 or float16; auto: bfloat16 on a GPU that supports it, else float32). ``exact_logprobs``: log-probs as
         the trainer computes them, bit for bit (``rollout.true_on_policy``); ``logprobs_of``: their distribution.
         ``precision``: a precision scheme's spec (``rollout.precision``; :meth:`miles.precision.schemes.Scheme.spec`):
-        the engine holds its linear layers in the scheme's stored form and computes as the scheme says."""
+        the engine holds its linear layers in the scheme's stored form and computes as the scheme says.
+        ``speculative``: a draft model proposes tokens that the model verifies (:mod:`miles.engine.speculative`)."""
         if not isinstance(exact_logprobs, bool):
             raise ValueError(f"exact_logprobs: expected true or false, got {exact_logprobs!r}")
         if logprobs_of not in LOGPROBS_OF:
             raise ValueError(f"logprobs_of: expected one of {', '.join(LOGPROBS_OF)}, got {logprobs_of!r}")
         self.exact_logprobs, self.logprobs_of = exact_logprobs, logprobs_of
         self.scheme = schemes.from_spec(precision) if precision is not None else None
+        self.speculative = speculative_config.SpeculativeConfig.parse(speculative) if speculative is not None else None
+        self.draft: Any = None  # the draft model (speculative)
+        self.speculating = False  # whether decode steps speculate (the draft can pay, or speculative.force)
         if not _is_int(prefix_cache_tokens) or prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens: expected an integer >= 0 (0: no prefix cache), "
                              f"got {prefix_cache_tokens!r}")
@@ -120,6 +128,8 @@ class LocalEngine:
                              f"(preprocessor_config.json) in the model directory")
         self.image_cache = ImageCache(self.image_processor) if self.image_processor is not None else None
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        if self.speculative is not None:
+            self.draft = self._load_draft(device)
         if self.batcher is not None:
             self.batcher.close()
         self.batcher = batcher.ContinuousBatcher(
@@ -127,10 +137,49 @@ class LocalEngine:
             eos_token_id=self.tokenizer.eos_token_id, generator=torch.Generator(device).manual_seed(self.seed),
             max_batch_size=self.max_batch_size, version=lambda: self.weight_version, background=self.background,
             prefix_cache_tokens=self.prefix_cache_tokens, exact_logprobs=self.exact_logprobs,
-            logprobs_of=self.logprobs_of,
+            logprobs_of=self.logprobs_of, speculative=self.speculative if self.speculating else None,
+            draft=self.draft,
         )
         if self.vision is not None:
             self.batcher.never_generated = torch.tensor(self.vision.never_generated, device=device)
+
+    def _load_draft(self, device: torch.device) -> Any:
+        """The draft of ``speculative``: loaded from its directory (the target's tokenizer and vocabulary, else a
+        ValueError), or built at random as the target's architecture with smaller sizes."""
+        if self.vision is not None:
+            raise ValueError("speculative: a vision-language target is not supported yet (its draft would see "
+                             "image placeholders, not the images)")
+        spec = self.speculative.draft
+        dtype = next(self.model.parameters()).dtype
+        if "path" in spec:
+            draft = hf.load_model(spec["path"], dtype=dtype)
+            size = int(draft.config.get_text_config().vocab_size)
+            if size != self.vocab_size:
+                raise ValueError(f"speculative.draft.path {spec['path']}: its vocabulary has {size} tokens, the "
+                                 f"target's {self.vocab_size}: a draft must use the target's tokenizer")
+            try:
+                vocab = hf.load_tokenizer(spec["path"]).get_vocab()
+            except (OSError, ValueError):
+                vocab = None  # a directory without a tokenizer: the vocabulary's size is what can be checked
+            if vocab is not None and vocab != self.tokenizer.get_vocab():
+                raise ValueError(f"speculative.draft.path {spec['path']}: its tokenizer is not the target's "
+                                 f"(a draft must propose the target's token ids)")
+        else:
+            config = speculative_config.draft_config(self.model.config, spec["build"])
+            with torch.random.fork_rng():
+                torch.manual_seed(self.seed)
+                draft = hf.causal_lm_from_config(config, dtype=dtype)
+        draft = draft.to(device).eval()
+        draft.requires_grad_(False)
+        target_params = sum(p.numel() for p in self.model.parameters())
+        draft_params = sum(p.numel() for p in draft.parameters())
+        pays, speedup = speculative_config.pays(target_params, draft_params, self.speculative.num_tokens)
+        self.speculating = pays or self.speculative.force
+        if not self.speculating:  # the draft is still held: its pushed weights load, for when it is switched on
+            _log.warning("speculative decoding is off: a draft of %d parameters for a target of %d cannot pay "
+                         "(estimated %.2fx at 70%% acceptance: each forward's fixed cost dominates); set "
+                         "speculative.force: true to speculate anyway", draft_params, target_params, speedup)
+        return draft
 
     def close(self) -> None:
         if self.batcher is not None:
@@ -145,11 +194,25 @@ class LocalEngine:
         parameter of any precision (cast, e.g. bf16 into fp32), any other dtype must match exactly. NaN/inf
         values are refused unless ``allow_non_finite``. A ValueError names every offending tensor and nothing
         is applied. The version becomes ``weight_version`` when given (the trainer's policy version), else it
-        is bumped.
+        is bumped. Tensors named ``draft.*`` are the speculative draft's (all of its weights; they leave the
+        version as it is).
         """
         if "weights" in self.released:
             raise ValueError("the engine's weights are released (release_memory_occupation); resume them "
                              "(resume_memory_occupation) before an update")
+        prefix = speculative_config.DRAFT_PREFIX
+        if any(name.startswith(prefix) for name in state_dict):  # the draft's weights, pushed with the policy's
+            draft = {name[len(prefix):]: t for name, t in state_dict.items() if name.startswith(prefix)}
+            state_dict = {name: t for name, t in state_dict.items() if not name.startswith(prefix)}
+            self._check_draft(draft, allow_non_finite)
+            version = self._update_target(state_dict, weight_version, allow_non_finite) if state_dict \
+                else self.weight_version
+            self._load_draft_weights(draft)  # once the policy's part has loaded (or raised: nothing applied)
+            return version
+        return self._update_target(state_dict, weight_version, allow_non_finite)
+
+    def _update_target(self, state_dict: dict[str, torch.Tensor], weight_version: int | None,
+                       allow_non_finite: bool) -> int:
         current = self.model.state_dict()
         if is_adapter_payload(state_dict):
             return self._update_adapters(current, state_dict, weight_version, allow_non_finite)
@@ -165,6 +228,23 @@ class LocalEngine:
             self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
             self.weights_stale = False
         return self.weight_version
+
+    def _check_draft(self, weights: dict[str, torch.Tensor], allow_non_finite: bool) -> None:
+        """Draft weights (all of them) are checked as the target's are; a ValueError applies nothing."""
+        if self.draft is None:
+            raise ValueError("weight update refused, nothing was applied: it holds draft weights (draft.*) and "
+                             "this engine has no draft (rollout.engine.speculative)")
+        if problems := weight_checks.weight_problems(self.draft.state_dict(), weights, allow_non_finite):
+            raise ValueError(f"weight update refused, nothing was applied: the draft's: {'; '.join(problems)}")
+
+    def _load_draft_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """The draft's new weights; the version stays the policy's."""
+        current = self.draft.state_dict()
+        with self.batcher.step_lock, torch.no_grad():
+            for name, tensor in weights.items():
+                current[name].copy_(tensor)
+            if self.batcher.draft is not None:
+                self.batcher.draft.reset()  # K/V of the old draft
 
     def update_weight_blocks(self, blocks: list[tuple[str, int, torch.Tensor]], weight_version: int,
                              check: Callable[[dict[str, torch.Tensor], int], None],

@@ -91,15 +91,16 @@ def sync_step(c: Step, step: int) -> dict[str, float]:
     return finish_step(c, metrics, start)
 
 
-def rollout_metrics(c: Step, collected: Collected, rollout_s: float, prefill_before: tuple[int, int],
-                    failed: int, prefill_after: tuple[int, int] | None = None) -> dict[str, float]:
+def rollout_metrics(c: Step, collected: Collected, rollout_s: float, prefill_before: tuple[int, ...],
+                    failed: int, prefill_after: tuple[int, ...] | None = None) -> dict[str, float]:
     """The rollout side of a step's metrics: ``collected.samples`` are the samples generated for it (each
     counted once), ``collected.groups`` those kept for training; ``rollout_s`` the time the step waited for them.
     ``prefill_before``/``_after``: the engines' prefill counts around the generation (after: now, by default)."""
     samples = collected.samples
     # Prompt tokens this step's requests asked the engines to prefill, and those their prefix caches spared.
     after = prefill_after if prefill_after is not None else c.plane.prefill_counts()
-    requested, computed = (max(0, a - b) for a, b in zip(after, prefill_before))
+    requested, computed, row_forwards, proposed, accepted, spec_tokens = (
+        max(0, a - b) for a, b in zip(after, prefill_before))
     trained = [s for g in collected.groups for s in g.trainable_samples]
     finished = [s for s in samples if s.trainable]
     response_tokens = sum(len(s.response_ids) for s in samples)
@@ -118,6 +119,9 @@ def rollout_metrics(c: Step, collected: Collected, rollout_s: float, prefill_bef
         "time/rollout_s": rollout_s,
         "rollout/tokens_per_s": response_tokens / rollout_s if rollout_s > 0 else 0.0,
         "rollout/prefix_hit_frac": 1.0 - computed / requested if requested else 0.0,
+        # speculative decoding (rollout.engine.speculative): proposals kept, tokens per target forward of a row
+        **({"rollout/spec_accept_rate": accepted / proposed,
+            "rollout/spec_tokens_per_forward": spec_tokens / row_forwards} if proposed else {}),
         **agentic_metrics(samples, c.ctx.sandbox),  # with a sandbox pool's counts
     }
 

@@ -224,6 +224,11 @@ def _model_class(config) -> type:
     return AutoModelForCausalLM
 
 
+def causal_lm_from_config(config, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A random-init causal LM of ``config`` (the caller seeds torch)."""
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def build_model_dir(build, tokenizer_cfg, out_dir: str | Path, seed: int) -> Path:
     """Build a random-init model and a char tokenizer from config sections and save them."""
     if build.arch not in _ARCHS:

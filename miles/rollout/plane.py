@@ -108,13 +108,14 @@ class RolloutPlane:
         ``cuda_graph``)."""
         self.post_all("/resume_memory_occupation", {"tags": list(tags)})
 
-    def prefill_counts(self) -> tuple[int, int]:
-        """(prompt tokens the engines admitted, those they ran through the model), summed over the engines since
-        each started; the difference came from their prefix caches. Remote engines report theirs in
+    def prefill_counts(self) -> tuple[int, ...]:
+        """The engines' counts of :data:`ENGINE_COUNTS`, summed over the engines since each started: prompt tokens
+        they admitted and those they ran through the model (the difference came from their prefix caches), then
+        their speculative steps' (:data:`miles.engine.batcher.SPEC_STATS`). Remote engines report theirs in
         ``/server_info``; one that does not answer (or reports none) counts 0 this time."""
         return self.prefill_counts_soon()()
 
-    def prefill_counts_soon(self) -> Callable[[], tuple[int, int]]:
+    def prefill_counts_soon(self) -> Callable[[], tuple[int, ...]]:
         """:meth:`prefill_counts`, asked now and read when the returned function is called: remote engines answer
         on the plane's loop meanwhile (a trainer asks before its step and reads after it)."""
         if self.router is None:
@@ -147,7 +148,10 @@ class RolloutPlane:
                 close()
 
 
-def _prefill_sums(states: list[Any]) -> tuple[int, int]:
+ENGINE_COUNTS = ("prefill_tokens_requested", "prefill_tokens_computed", "spec_row_forwards", "spec_proposed",
+                 "spec_accepted", "spec_tokens")
+
+
+def _prefill_sums(states: list[Any]) -> tuple[int, ...]:
     states = [s for s in states if isinstance(s, dict)]
-    return (sum(int(s.get("prefill_tokens_requested", 0)) for s in states),
-            sum(int(s.get("prefill_tokens_computed", 0)) for s in states))
+    return tuple(sum(int(s.get(name, 0)) for s in states) for name in ENGINE_COUNTS)

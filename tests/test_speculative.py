@@ -1,0 +1,343 @@
+"""Speculative sampling in the embedded engine (rollout.engine.speculative): the tokens follow the target's
+distribution exactly, greedy decoding gives plain decoding's tokens, and the log-probs are the target's."""
+
+import asyncio
+import itertools
+import logging
+import math
+
+import pytest
+import torch
+
+from miles.engine.local import LocalEngine
+from miles.engine.speculative import SpeculativeConfig, accept, draft_distribution
+from miles.models.hf import exact_logprobs, load_model, load_tokenizer, save_pretrained
+from miles.models.sampling import distribution_logits
+from miles.testing import build_tiny_model
+
+PROMPT = [4, 13, 5, 14]
+PROMPTS = [PROMPT, [7, 13, 2], [3, 13, 9, 14, 2, 2], [5], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9]]
+
+
+def _peaked(root, seed, **build):
+    """A tiny model with peaked next-token distributions (its final norm scaled by 4) that does not just repeat its
+    last token (its blocks' outputs scaled by 20, so that they outweigh the token's own embedding)."""
+    path = build_tiny_model(root / "built", seed=seed, max_position_embeddings=64, **build)
+    model = load_model(path)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4.0)
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(20.0)
+            layer.self_attn.o_proj.weight.mul_(20.0)
+    save_pretrained(model, load_tokenizer(path), root / "model")
+    return root / "model"
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return _peaked(tmp_path_factory.mktemp("target"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """The target's first layer alone (the same seed): it proposes what the target would, some of the time."""
+    return _peaked(tmp_path_factory.mktemp("draft"), seed=0, num_layers=1)
+
+
+def _spec(draft_dir, **kwargs):
+    return {"draft": {"path": str(draft_dir)}, "num_tokens": 3, "when": "always", "force": True, **kwargs}
+
+
+def _engine(model_dir, speculative=None, **kwargs):
+    engine = LocalEngine(seed=3, speculative=speculative, **kwargs)
+    engine.load_model(str(model_dir))
+    return engine
+
+
+def _generate(engine, prompts, params):
+    async def go():
+        return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+    return asyncio.run(go())
+
+
+# -- the rule itself ---------------------------------------------------------------------------------------------------
+
+
+def test_accept_keeps_a_proposal_with_probability_p_over_q_and_draws_the_rest_from_the_residual():
+    """One position, two tokens: p = (0.3, 0.7), q = (0.9, 0.1). Token 0 is proposed with 0.9 and kept with
+    0.3/0.9; token 1 always; what follows a refusal is drawn from max(0, p - q) = (0, 0.6): token 1. The first
+    token is then distributed as p."""
+    generator = torch.Generator().manual_seed(0)
+    draws = 40000
+    p = torch.tensor([[0.3, 0.7], [0.5, 0.5]]).expand(draws, 2, 2)
+    q = torch.tensor([[0.9, 0.1]]).expand(draws, 1, 2)
+    proposals = torch.multinomial(q[:, 0], 1, generator=generator)
+    kept, after = accept(p, q, proposals, generator)
+    first = torch.where(kept == 1, proposals[:, 0], after)
+    assert abs(float((first == 0).float().mean()) - 0.3) < 5 * math.sqrt(0.21 / draws)
+    zeros = proposals[:, 0] == 0
+    assert abs(float(kept[zeros].float().mean()) - 1 / 3) < 5 * math.sqrt(2 / 9 / int(zeros.sum()))
+    assert bool((kept[~zeros] == 1).all())
+    assert bool((after[kept == 0] == 1).all())  # the residual's only token
+
+
+def test_a_greedy_row_keeps_exactly_the_proposals_that_are_the_targets_argmax():
+    logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 5.0]]])
+    zero = torch.zeros(1, 3)
+    p = draft_distribution(logits, zero, torch.ones(1, 3), torch.full((1, 3), -1))
+    q = draft_distribution(torch.tensor([[[0.0, 9.0, 0.0], [0.0, 9.0, 0.0]]]), torch.zeros(1, 2), torch.ones(1, 2),
+                           torch.full((1, 2), -1))
+    kept, after = accept(p, q, torch.tensor([[1, 1]]), None)
+    assert kept.tolist() == [1] and after.tolist() == [0]  # 1 is the argmax, then 1 is not: the target's 0
+
+
+# -- the engine: exactly the target's distribution ---------------------------------------------------------------------
+
+DRAWS = 4000
+
+
+def _joint(model_dir, params, length):
+    """The exact probability of each sequence of ``length`` tokens after PROMPT, under the distribution the engine
+    draws from (``params``' temperature, top-p and top-k)."""
+    model = load_model(model_dir).eval()
+    vocab = model.config.vocab_size
+    probs = {(): 1.0}
+    for _ in range(length):
+        heads = list(probs)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([PROMPT + list(h) for h in heads])).logits[:, -1].float()
+        n = len(heads)
+        drawn = distribution_logits(logits, torch.full((n,), float(params.get("temperature", 1.0))),
+                                    torch.full((n,), float(params.get("top_p", 1.0))),
+                                    torch.full((n,), params.get("top_k", -1), dtype=torch.long)).softmax(-1)
+        probs = {h + (t,): probs[h] * float(drawn[i, t]) for i, h in enumerate(heads) for t in range(vocab)
+                 if drawn[i, t] > 0}
+    return probs
+
+
+def _chi_square(counts, probs, draws):
+    """Pearson's statistic over the cells expected at least 5 times (the rest pooled), and its degrees of freedom."""
+    big = [c for c, p in probs.items() if p * draws >= 5]
+    stat = sum((counts.get(c, 0) - probs[c] * draws) ** 2 / (probs[c] * draws) for c in big)
+    rest_expected = draws * (1 - sum(probs[c] for c in big))
+    rest = draws - sum(counts.get(c, 0) for c in big)
+    if rest_expected >= 5:
+        stat += (rest - rest_expected) ** 2 / rest_expected
+        return stat, len(big)
+    return stat, len(big) - 1
+
+
+def _critical(df, z=3.72):
+    """The chi-square quantile at p = 1e-4 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9},
+                                    {"temperature": 1.3, "top_k": 3}])
+def test_speculative_tokens_follow_the_targets_distribution(target_dir, draft_dir, params):
+    """4000 samples of 3 tokens with 2 proposals a step (each position: kept proposals, residual draws and the
+    target's own draw after all are kept). The pairs (tokens 1-2) and the third token pass a chi-square test
+    against the target's exact distribution at p = 1e-4, and fail it against the draft's: the test tells them
+    apart."""
+    engine = _engine(target_dir, _spec(draft_dir, num_tokens=2), max_batch_size=DRAWS)
+    answers = _generate(engine, [PROMPT] * DRAWS, {"max_new_tokens": 3, "ignore_eos": True, **params})
+    stats = engine.stats()
+    engine.close()
+    assert 0.05 < stats["spec_accepted"] / stats["spec_proposed"] < 0.95  # both paths taken, hundreds of times
+    seqs = [tuple(a["output_ids"]) for a in answers]
+    assert all(len(s) == 3 for s in seqs)
+    target, draft = _joint(target_dir, params, 3), _joint(draft_dir, params, 3)
+
+    def marginals(joint):
+        pairs, thirds = {}, {}
+        for seq, p in joint.items():
+            pairs[seq[:2]] = pairs.get(seq[:2], 0.0) + p
+            thirds[seq[2:]] = thirds.get(seq[2:], 0.0) + p
+        return pairs, thirds
+
+    observed = marginals({s: seqs.count(s) for s in set(seqs)})
+    for expected, wrong, seen in zip(marginals(target), marginals(draft), observed):
+        stat, df = _chi_square(seen, expected, DRAWS)
+        assert stat < _critical(df), (stat, df, params)
+        wrong_stat, wrong_df = _chi_square(seen, wrong, DRAWS)
+        assert wrong_stat > _critical(wrong_df) if wrong_df >= 1 else True
+
+
+def test_greedy_gives_plain_decodings_tokens_and_log_probs(target_dir, draft_dir):
+    """Prompts of several lengths, a batch of 2 rows (the others queue and join as rows finish: the draft's cache
+    is built again), stop tokens and max_new_tokens that end rows inside a step, the prefix cache on."""
+    results = []
+    for speculative in (None, _spec(draft_dir)):
+        engine = _engine(target_dir, speculative, max_batch_size=2)
+        answers = []
+        for params in ({"max_new_tokens": 17, "temperature": 0.0, "ignore_eos": True},
+                       {"max_new_tokens": 9, "temperature": 0.0, "stop_token_ids": [5, 9]}):
+            answers += _generate(engine, PROMPTS + PROMPTS[:2], params)
+        answers += asyncio.run(_with_top([4, 13], engine))  # 62 tokens: the masked columns are packed away
+        results.append((answers, engine.stats()))
+        engine.close()
+    (plain, _), (spec, stats) = results
+    assert stats["spec_row_forwards"] > 0 and stats["spec_accepted"] < stats["spec_proposed"]
+    assert stats["spec_tokens"] > stats["spec_row_forwards"]  # more than one token per target forward
+    assert len(plain[-1]["output_ids"]) == 62  # the context (64) less the prompt
+    for a, b in zip(plain, spec):
+        assert a["output_ids"] == b["output_ids"]
+        for key in ("output_top_logprobs", "output_token_entropy"):
+            assert len(a["meta_info"].get(key, [])) == len(b["meta_info"].get(key, []))
+            for x, y in zip(a["meta_info"].get(key, []), b["meta_info"].get(key, [])):
+                assert x == pytest.approx(y, abs=1e-5) if key.endswith("entropy") else \
+                    [t for _, t, _ in x] == [t for _, t, _ in y]
+        assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+        for (la, ta, _), (lb, tb, _) in zip(a["meta_info"]["output_token_logprobs"],
+                                            b["meta_info"]["output_token_logprobs"]):
+            assert ta == tb and abs(la - lb) <= 1e-6
+
+
+async def _with_top(prompt, engine):
+    return [await engine.generate(prompt, {"max_new_tokens": 80, "temperature": 0.0, "ignore_eos": True},
+                                  top_logprobs_num=3, return_entropy=True)]
+
+
+def test_routed_experts_are_the_targets_for_the_tokens_it_took(tmp_path):
+    """A mixture-of-experts target: the experts reported for every token fed are those a plain forward over the
+    prompt and the outputs routes to (the refused proposals' routing left out)."""
+    import numpy as np
+
+    from miles.models.moe import decode_routed_experts, routing
+
+    moe_dir = build_tiny_model(tmp_path / "moe", arch="qwen3_moe", max_position_embeddings=64)
+    engine = _engine(moe_dir, {"draft": {"build": {"num_layers": 1, "hidden_size": 32, "head_dim": 8}},
+                               "num_tokens": 3, "when": "always", "force": True})
+    prompt = [5, 6, 7, 8]
+    answer = asyncio.run(engine.generate(prompt, {"max_new_tokens": 12, "ignore_eos": True},
+                                         return_routed_experts=True))
+    assert engine.stats()["spec_steps"] > 0
+    output = answer["output_ids"]
+    fed = len(prompt) + len(output) - 1
+    routed = decode_routed_experts(answer["meta_info"]["routed_experts"], fed)
+    with torch.no_grad(), routing(engine.model) as record:
+        engine.model(input_ids=torch.tensor([prompt + output[:-1]]))
+    assert np.array_equal(record.routed(1)[0].numpy(), routed)
+    engine.close()
+
+
+@pytest.mark.parametrize("logprobs_of, params", [("sampling", {"temperature": 0.7, "top_p": 0.9}),
+                                                 ("truncated", {"temperature": 1.3, "top_k": 4}),
+                                                 ("model", {"temperature": 0.8})])
+def test_sampled_log_probs_are_the_targets(target_dir, draft_dir, logprobs_of, params):
+    """Each reported log-prob is the target's under ``logprobs_of``, computed again over the whole sequence; with
+    ``exact_logprobs`` (rollout.true_on_policy) bit for bit that computation."""
+    for exact in (False, True):
+        engine = _engine(target_dir, _spec(draft_dir), logprobs_of=logprobs_of, exact_logprobs=exact)
+        answers = _generate(engine, PROMPTS, {"max_new_tokens": 12, "ignore_eos": True, **params})
+        model, columns = engine.model, {}
+        for prompt, answer in zip(PROMPTS, answers):
+            ids = answer["output_ids"]
+            n = len(prompt) - 1
+            if logprobs_of != "model":
+                columns = {"temperature": torch.tensor([1.0] * n + [params["temperature"]] * len(ids))}
+            if logprobs_of == "truncated":
+                columns["top_p"] = torch.tensor([1.0] * (n + len(ids)))
+                columns["top_k"] = torch.tensor([-1] * n + [params.get("top_k", -1)] * len(ids))
+            expected = exact_logprobs(model, prompt + ids, length=64, pad_token_id=0, **columns)[n:].tolist()
+            got = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+            tolerance = 0.0 if exact else 1e-5
+            assert max(abs(a - b) for a, b in zip(got, expected)) <= tolerance, (exact, logprobs_of)
+        assert engine.stats()["spec_row_forwards"] > 0
+        engine.close()
+
+
+# -- when it speculates --------------------------------------------------------------------------------------------
+
+
+def test_tail_speculates_only_while_few_rows_decode(target_dir, draft_dir):
+    engine = _engine(target_dir, _spec(draft_dir, when="tail", tail_rows=2))
+    lengths = [3, 5, 8, 30, 40]
+    answers = _generate(engine, [[4, 13, 5]] * len(lengths),
+                        {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 40})
+    stats = engine.stats()
+    engine.close()
+    assert all(len(a["output_ids"]) == 40 for a in answers)
+    assert stats["spec_steps"] == 0  # five rows all along: never the tail
+    engine = _engine(target_dir, _spec(draft_dir, when="tail", tail_rows=2))
+
+    async def staggered():
+        return await asyncio.gather(*(engine.generate([4, 13, 5], {"temperature": 0.0, "ignore_eos": True,
+                                                                   "max_new_tokens": n}) for n in lengths))
+
+    answers = asyncio.run(staggered())
+    stats = engine.stats()
+    engine.close()
+    assert [len(a["output_ids"]) for a in answers] == lengths
+    assert 0 < stats["spec_steps"] < stats["decode_steps"]
+    assert stats["spec_row_forwards"] <= 2 * stats["spec_steps"]
+
+
+def test_a_draft_that_cannot_pay_is_switched_off_and_the_engine_says_so(target_dir, draft_dir, caplog):
+    with caplog.at_level(logging.WARNING):
+        engine = _engine(target_dir, {"draft": {"path": str(draft_dir)}, "num_tokens": 3})
+    assert "speculative decoding is off" in caplog.text and "cannot pay" in caplog.text
+    _generate(engine, PROMPTS[:1], {"max_new_tokens": 5})
+    assert engine.stats()["spec_steps"] == 0
+    engine.close()
+
+
+# -- bad drafts and settings -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("mtp", "expected a mapping"),
+    ({"draft": "mtp"}, "mtp .* not built yet"),
+    ({"draft": {"repo": "x"}}, r"expected \{path: DIR\}"),
+    ({"draft": {"build": {"hidden_size": 0}}}, r"build.hidden_size: expected an integer >= 1"),
+    ({"draft": {"build": {"vocab_size": 5}}}, "unknown field.*vocab_size"),
+    ({"draft": {"path": "/d"}, "num_tokens": 0}, r"num_tokens: expected an integer in \[1, 16\]"),
+    ({"draft": {"path": "/d"}, "num_tokens": True}, r"num_tokens: expected an integer in \[1, 16\]"),
+    ({"draft": {"path": "/d"}, "when": "sometimes"}, "when: expected one of tail, always"),
+    ({"draft": {"path": "/d"}, "tail_rows": -1}, "tail_rows: expected an integer >= 1"),
+    ({"draft": {"path": "/d"}, "train": "yes"}, "train: expected true or false"),
+    ({"draft": {"path": "/d"}, "draft_tokens": 3}, "unknown key.*draft_tokens"),
+])
+def test_bad_settings_are_refused_naming_the_field(spec, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(spec)
+    with pytest.raises(ValueError, match=message):
+        LocalEngine(speculative=spec)
+
+
+def test_a_draft_with_another_tokenizer_is_refused_at_start(target_dir, tmp_path):
+    other = build_tiny_model(tmp_path / "other", alphabet="abcdefghijkl", max_position_embeddings=64)
+    with pytest.raises(ValueError, match="its tokenizer is not the target's"):
+        _engine(target_dir, _spec(other))
+    wider = build_tiny_model(tmp_path / "wider", alphabet="0123456789+=xyz", max_position_embeddings=64)
+    with pytest.raises(ValueError, match="its vocabulary has .* tokens, the target's"):
+        _engine(target_dir, _spec(wider))
+
+
+# -- the draft's weights ---------------------------------------------------------------------------------------------
+
+
+def test_draft_weights_load_with_the_policys_and_bad_ones_apply_nothing(target_dir, draft_dir):
+    engine = _engine(target_dir, _spec(draft_dir))
+    policy = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    draft = {f"draft.{n}": t + 0.5 for n, t in engine.draft.state_dict().items() if t.is_floating_point()}
+    version = engine.update_weights({**policy, **draft}, weight_version=7)
+    assert version == 7
+    assert all(torch.equal(engine.draft.state_dict()[n[6:]], t) for n, t in draft.items())
+    before = {n: t.clone() for n, t in engine.draft.state_dict().items()}
+    assert engine.update_weights({"draft." + n: t * 2 for n, t in before.items()}) == 7  # alone: same version
+    broken = {**policy, **{n: t.clone() for n, t in draft.items()}}
+    broken.pop(next(iter(policy)))  # the policy's part lacks a tensor: the draft's must not load either
+    with pytest.raises(ValueError, match="1 missing"):
+        engine.update_weights(broken)
+    assert all(torch.equal(engine.draft.state_dict()[n], before[n] * 2) for n in before)
+    with pytest.raises(ValueError, match="the draft's: 1 missing"):
+        engine.update_weights({"draft." + n: t for n, t in itertools.islice(before.items(), 1, None)})
+    [answer] = _generate(engine, [PROMPT], {"max_new_tokens": 6, "temperature": 0.0})
+    assert len(answer["output_ids"]) == 6
+    engine.close()
+    plain = _engine(target_dir)
+    with pytest.raises(ValueError, match="has no draft"):
+        plain.update_weights({"draft.x": torch.zeros(1)})
+    plain.close()

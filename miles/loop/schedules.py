@@ -319,7 +319,7 @@ class StreamSchedule:
         prefill_now = c.plane.prefill_counts_soon()  # the engines answer while the trainer trains
         failed = check_failures(step, samples, c.max_failed_frac)
         c.hooks.miles_rollout_end(step=step, groups=groups)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = c.draft.learn(groups) if c.draft is not None else {}
         sync_s = 0.0
         if c.learner.learn(step, groups, metrics):
             sync_start = time.perf_counter()

@@ -41,6 +41,7 @@ class Step:
     max_failed_frac: float
     release_memory: bool = False  # engines free their memory while the trainer trains (a colocated trainer)
     router_stats_seen: dict[str, int] = field(default_factory=dict)
+    draft: Any = None  # a DraftLearner (miles.loop.draft): the speculative draft learns each step's rollouts
 
     @property
     def n_samples(self) -> int:
@@ -75,6 +76,8 @@ def sync_step(c: Step, step: int) -> dict[str, float]:
     collected = c.collector.collect(c.data, c.rollout_fn, c.ctx, c.reward_fn, check)
     metrics = rollout_metrics(c, collected, time.perf_counter() - start, prefill_before, sum(failed))
     c.hooks.miles_rollout_end(step=step, groups=collected.groups)
+    if c.draft is not None:
+        metrics.update(c.draft.learn(collected.groups))
     released = c.release_memory and any(g.trainable_samples for g in collected.groups)  # else nothing is pushed
     if released:
         c.plane.release_memory()
@@ -140,6 +143,8 @@ def push_weights(c: Step, step: int, backend: Any = None) -> None:
     version ``step + 1``."""
     try:
         c.transport.push(backend or c.learner.backend, c.plane, version=step + 1)
+        if c.draft is not None:  # the draft that learnt this step's rollouts, with the policy it follows
+            c.draft.push(c.plane)
     except ValueError as exc:  # refused by the engines, e.g. NaN weights after a diverged step
         raise RunError(f"step {step}: the engines refused the new weights (version {step + 1}); they keep "
                        f"serving version {c.plane.weight_version}. {exc}") from exc

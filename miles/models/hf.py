@@ -224,6 +224,11 @@ def _model_class(config) -> type:
     return AutoModelForCausalLM
 
 
+def load_model_config(path: str | Path) -> object:
+    """The model config of the checkpoint at ``path``."""
+    return AutoConfig.from_pretrained(_check_dir(path))
+
+
 def causal_lm_from_config(config, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A random-init causal LM of ``config`` (the caller seeds torch)."""
     return AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -19,6 +19,8 @@ from miles.loop.learner import Learner
 from miles.loop.saved_rollouts import RolloutWriter
 from miles.loop.trajectories import TrajectoryWriter
 from miles.loop.schedules import make_schedule, stream_settings
+from miles.engine.speculative import SpeculativeConfig
+from miles.loop.draft import DraftLearner
 from miles.loop.step import Step
 from miles.precision.checkpoint import planned_layers, write_stored_form
 from miles.rollout.assemble import close_with_run, rollout_context, rollout_plane
@@ -34,6 +36,14 @@ from miles.weights.precision import StoredFormPush
 
 __all__ = ["RLPhase"]
 
+
+
+def draft_learner(engine_args: dict, model_path: str, seed: int) -> DraftLearner | None:
+    """The learner of the engines' speculative draft when ``rollout.engine.speculative.train`` is true."""
+    spec = engine_args.get("speculative")
+    if not spec or not (config := SpeculativeConfig.parse(dict(spec))).train:
+        return None
+    return DraftLearner(config, model_path, seed)
 
 class RLPhase:
     """Built on the model in ``model_path``: the weight transport, the rollout plane, the backend, the learner
@@ -78,6 +88,9 @@ class RLPhase:
             and not run_cfg.rollout_only,
         )
         close_with_run(self.c.rollout_fn, plane, run.closing)
+        self.c.draft = draft_learner(split_node(config.rollout.engine, "rollout.engine")[0], model_path, run.seed)
+        if self.c.draft is not None and not run_cfg.rollout_only:  # the engines speculate with the learner's draft
+            self.c.draft.push(plane)
         # evaluations ask for no expert ids; greedy decoding for the accuracy, each dataset's own sampling for the sets
         self.sampled = replace(self.ctx, return_routed_experts=False)
         self.greedy = replace(self.sampled, sampling_params={**self.ctx.sampling_params, "temperature": 0.0,

@@ -366,8 +366,8 @@ def test_a_draft_that_learns_the_policys_samples_is_kept_more_often(target_dir, 
         before = engine.stats()
         answers = _generate(engine, PROMPTS * 128, params)
         after = engine.stats()
-        return (after["spec_accepted"] - before["spec_accepted"]) / (after["spec_proposed"] - before["spec_proposed"]), \
-            answers
+        kept, proposed = (after[k] - before[k] for k in ("spec_accepted", "spec_proposed"))
+        return kept / proposed, answers
 
     start, answers = rate()
     groups = []

@@ -66,7 +66,7 @@ class DraftLearner:
             self.optimizer.zero_grad(set_to_none=True)
             (loss_sum / n).backward()
             self.optimizer.step()
-            total, tokens = total + float(loss_sum), tokens + n
+            total, tokens = total + float(loss_sum.detach()), tokens + n
         return {"rollout/spec_draft_loss": total / tokens}
 
     def weights(self) -> dict[str, torch.Tensor]:

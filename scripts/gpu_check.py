@@ -41,6 +41,8 @@ CHECKS = {
     "sglang_run": (150, 30),
     "precision": (60, 150),
     "sglang_precision": (200, 30),
+    "speculative": (60, 60),
+    "sglang_speculative": (150, 30),
 }
 
 
@@ -312,6 +314,74 @@ def check_sglang_precision(dry: bool, tmp: Path) -> dict:
                        "weight_versions": [r["weight_version"] for r in rows],
                        "logprob_abs_diff": max(r["train/rollout_logprob_abs_diff"] for r in rows)}
     return out
+
+
+def check_speculative(dry: bool, tmp: Path) -> dict:
+    """The embedded engine with a draft (rollout.engine.speculative) on the GPU: greedy decoding gives plain
+    decoding's tokens, the log-probs are the target's (float32: the same sums, ordered otherwise), and the tokens/s
+    of one row, plain and speculative. The models are random: the draft is the target's first layers (its
+    agreement is what a trained draft's would be, not a figure to quote)."""
+    import asyncio
+
+    import torch
+
+    from miles.engine import LocalEngine
+    from miles.models.hf import load_model, load_tokenizer, save_pretrained
+
+    path, params = _model(tmp, dry)
+    target = load_model(path)
+    draft = load_model(path)
+    draft.model.layers = draft.model.layers[:2]
+    draft.config.num_hidden_layers = 2
+    save_pretrained(draft, load_tokenizer(path), tmp / "draft")
+    del target, draft
+    new_tokens = 16 if dry else 128
+    sampling = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+    out: dict = {"params_m": round(params / 1e6, 1)}
+    answers = {}
+    for name, spec in (("plain", None), ("speculative", {"draft": {"path": str(tmp / "draft")}, "num_tokens": 4,
+                                                         "when": "always", "force": True})):
+        engine = LocalEngine(device=_device(dry), dtype="float32", speculative=spec)
+        engine.load_model(str(path))
+        asyncio.run(engine.generate([1, 2, 3, 4], sampling))  # warm-up
+        if not dry:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        answers[name] = asyncio.run(engine.generate([1, 2, 3, 4], sampling))
+        out[f"{name}_tokens_per_s"] = round(new_tokens / (time.perf_counter() - start), 1)
+        if spec is not None:
+            stats = engine.stats()
+            out["kept"] = round(stats["spec_accepted"] / max(1, stats["spec_proposed"]), 3)
+        engine.close()
+    plain, spec = answers["plain"], answers["speculative"]
+    assert plain["output_ids"] == spec["output_ids"], (plain["output_ids"], spec["output_ids"])
+    gap = max(abs(a[0] - b[0]) for a, b in zip(plain["meta_info"]["output_token_logprobs"],
+                                                spec["meta_info"]["output_token_logprobs"]))
+    out["logprob_abs_diff_max"] = gap
+    assert gap < 1e-4, gap
+    return out
+
+
+def check_sglang_speculative(dry: bool, tmp: Path) -> dict:
+    """SGLang with a draft model (STANDALONE, rollout.engine.speculative): the flags parse with the installed
+    SGLang, a short quickstart run serves and takes its weight pushes with speculation on."""
+    try:
+        import sglang  # noqa: F401
+    except ImportError as exc:
+        return {"skipped": f"sglang is not installed ({exc})"}
+    from miles.run.runner import prepare, train
+    from miles.testing import build_tiny_model
+
+    draft = build_tiny_model(tmp / "draft", alphabet="0123456789+=", hidden_size=32, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=32)
+    overrides = [f"run.dir={tmp / 'run'}", "run.progress=false", "run.steps=3", "run.eval_size=0", "sft.steps=5",
+                 "rollout.engine.name=sglang", "rollout.engine.num_engines=1", f"backend.device={_device(dry)}",
+                 f"rollout.engine.speculative={{draft: {{path: {draft}}}, num_tokens: 3, when: always}}"]
+    start = time.perf_counter()
+    train(prepare(str(ROOT / "configs/quickstart.yaml"), overrides))
+    rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    return {"steps": len(rows), "seconds": round(time.perf_counter() - start, 1),
+            "weight_versions": [r["weight_version"] for r in rows]}
 
 
 def run_one(name: str, dry: bool) -> dict:

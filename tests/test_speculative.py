@@ -3,8 +3,10 @@ distribution exactly, greedy decoding gives plain decoding's tokens, and the log
 
 import asyncio
 import itertools
+import json
 import logging
 import math
+import urllib.request
 
 import pytest
 import torch
@@ -307,6 +309,8 @@ def test_bad_settings_are_refused_naming_the_field(spec, message):
 
 
 def test_a_draft_with_another_tokenizer_is_refused_at_start(target_dir, tmp_path):
+    with pytest.raises(ValueError, match="speculative.draft.path .* is not an HF model directory"):
+        _engine(target_dir, _spec(tmp_path / "nowhere"))
     other = build_tiny_model(tmp_path / "other", alphabet="abcdefghijkl", max_position_embeddings=64)
     with pytest.raises(ValueError, match="its tokenizer is not the target's"):
         _engine(target_dir, _spec(other))
@@ -382,3 +386,47 @@ def test_a_draft_that_learns_the_policys_samples_is_kept_more_often(target_dir, 
     end, _ = rate()
     assert end > start + 0.04, (start, end)  # 0.33 -> 0.38 with a one-layer draft of a two-layer target
     engine.close()
+
+
+def test_a_served_engine_speculates_and_takes_the_drafts_pushes_over_http(target_dir, draft_dir, tmp_path):
+    """``miles engine serve`` (the miles_server launcher) with a draft: greedy answers are plain decoding's, its
+    /server_info counts the speculative steps, and a DraftLearner's push reaches the draft through the router
+    (/update_weights_from_tensor) without changing the served version."""
+    from miles.engine.launchers import MilesServerLauncher
+    from miles.engine.router import Router
+    from miles.loop.draft import DraftLearner
+    from miles.rollout.plane import RolloutPlane
+    from miles.testing import free_port
+
+    spec = {"draft": {"build": {"num_layers": 1}}, "num_tokens": 3, "when": "always", "force": True, "train": True}
+    launcher = MilesServerLauncher(log_dir=str(tmp_path), speculative=spec)
+    url = launcher.start(str(target_dir), host="127.0.0.1", port=free_port(), admin_token="", threads=1,
+                         timeout_s=120)
+    plane = RolloutPlane(router=Router([url], health_interval_s=0.2))
+    try:
+        params = {"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True}
+        plain = _engine(target_dir)
+        expected = _generate(plain, PROMPTS, params)
+        plain.close()
+
+        async def served():
+            return await asyncio.gather(*(plane.router.generate(p, params, True) for p in PROMPTS))
+
+        assert [a["output_ids"] for a in plane.run(served())] == [a["output_ids"] for a in expected]
+        assert plane.prefill_counts()[2] > 0  # spec_row_forwards, as the plane reads them
+        learner = DraftLearner(SpeculativeConfig.parse(spec), str(target_dir), seed=9)
+        with torch.no_grad():
+            for p in learner.model.parameters():
+                p.add_(0.01)
+        learner.push(plane)
+        checksum = json.loads(urllib.request.urlopen(url + "/server_info", timeout=30).read())
+        assert checksum["weight_version"] == 0
+        assert [a["output_ids"] for a in plane.run(served())] == [a["output_ids"] for a in expected]
+        with torch.no_grad():
+            next(learner.model.parameters()).fill_(float("nan"))
+        # refused by the draft's own check: the push reached the draft
+        with pytest.raises(ValueError, match="the draft's: 2 with NaN or inf values: model.embed_tokens.weight"):
+            learner.push(plane)
+    finally:
+        plane.close()
+        launcher.stop()

@@ -6,11 +6,13 @@ A server-launcher plugin (``miles-sglang``, your own; the contract is ``miles_re
 - :class:`SubprocessLauncher`: the base of a launcher whose server is a command run in a process group of its
   own (start, wait until it answers, stop, a log to report);
 - :func:`is_server_launcher`: whether a registered rollout engine is a server launcher;
+- :class:`SpeculativeConfig`: ``rollout.engine.speculative`` parsed and checked (:mod:`miles.engine.speculative`);
 - errors: :class:`ConfigError` (bad engine arguments, exit code 2), :class:`RunError` (a server that failed).
 """
 
 from miles.engine.launchers import SubprocessLauncher
+from miles.engine.speculative import SpeculativeConfig
 from miles.errors import ConfigError, RunError
 from miles.hookspecs import is_server_launcher
 
-__all__ = ["ConfigError", "RunError", "SubprocessLauncher", "is_server_launcher"]
+__all__ = ["ConfigError", "RunError", "SpeculativeConfig", "SubprocessLauncher", "is_server_launcher"]

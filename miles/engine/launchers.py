@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from miles.engine.speculative import SpeculativeConfig
 from miles.errors import RunError
 from miles.models.sampling import LOGPROBS_OF
 
@@ -255,8 +256,11 @@ class MilesServerLauncher(SubprocessLauncher):
 
     def __init__(self, seed: int = 0, extra_args: list[str] | None = None, *, startup_timeout_s: float | None = None,
                  stop_timeout_s: float = 10.0, log_dir: str | None = None, logprobs_of: str = "sampling",
-                 precision: dict[str, Any] | None = None) -> None:
+                 precision: dict[str, Any] | None = None, speculative: dict[str, Any] | None = None) -> None:
         super().__init__(startup_timeout_s=startup_timeout_s, stop_timeout_s=stop_timeout_s, log_dir=log_dir)
+        if speculative is not None:  # checked here, in the driver: a bad draft setting fails before anything starts
+            SpeculativeConfig.parse(speculative)
+        self.speculative = speculative
         self.seed = seed
         self.extra_args = [str(a) for a in extra_args or []]
         self.logprobs_of = logprobs_of
@@ -267,6 +271,8 @@ class MilesServerLauncher(SubprocessLauncher):
                 "--port", str(port), "--seed", str(self.seed), "--logprobs-of", self.logprobs_of]
         if self.precision is not None:
             argv += ["--precision", json.dumps(self.precision)]
+        if self.speculative is not None:
+            argv += ["--engine-args", json.dumps({"speculative": self.speculative})]
         return argv + self.extra_args
 
     def environment(self, *, threads: int, admin_token: str) -> dict[str, str]:

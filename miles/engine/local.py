@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -152,6 +153,9 @@ class LocalEngine:
         spec = self.speculative.draft
         dtype = next(self.model.parameters()).dtype
         if "path" in spec:
+            if not os.path.isfile(os.path.join(spec["path"], "config.json")):
+                raise ValueError(f"speculative.draft.path {spec['path']!r} is not an HF model directory (no "
+                                 f"config.json there)")
             draft = hf.load_model(spec["path"], dtype=dtype)
             size = int(draft.config.get_text_config().vocab_size)
             if size != self.vocab_size:

@@ -40,6 +40,15 @@ MILES_WITH_CTRL_C = [sys.executable, "-c", "import runpy, signal; "
                      "runpy.run_module('miles', run_name='__main__')"]
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
 def serve_engine(model_dir: str | Path, *args: str, timeout_s: float = 120.0) -> Iterator[str]:
     """``miles engine serve`` for ``model_dir`` in a process of its own on a free 127.0.0.1 port (one torch

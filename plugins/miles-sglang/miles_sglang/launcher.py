@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from miles.engine.api import SubprocessLauncher
+from miles.engine.api import SpeculativeConfig, SubprocessLauncher
 import miles.precision
 from miles.precision import from_spec
 
@@ -22,7 +22,9 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # SGLang's
 # Flags Miles sets itself; extra_args may not repeat them (SGLang would take the last one silently).
 RESERVED_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size",
                   "--weight-version", "--random-seed", "--dtype", "--mem-fraction-static", "--enable-memory-saver",
-                  "--enable-return-routed-experts", "--admin-api-key", "--api-key", "--quantization")
+                  "--enable-return-routed-experts", "--admin-api-key", "--api-key", "--quantization",
+                  "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
+                  "--speculative-eagle-topk", "--speculative-num-draft-tokens")
 # rollout.precision -> SGLang's --quantization for a checkpoint in that stored form (sglang 0.5: fp8 reads the block-FP8
 # layout, weight_scale_inv and weight_block_size; compressed-tensors the pack-quantized and float-quantized formats;
 # modelopt_fp4 NVIDIA's NVFP4). MXFP8 has no loader of Miles' stored form in SGLang.
@@ -33,7 +35,8 @@ QUANTIZATION = {"fp8_block": "fp8", "fp8_channel": "compressed-tensors", "int4_w
 def sglang_argv(model_path: str, *, host: str, port: int, tp_size: int = 1, weight_version: int = 0,
                 random_seed: int = 0, dtype: str = "auto", mem_fraction_static: float | None = None,
                 enable_memory_saver: bool = False, enable_return_routed_experts: bool = False, admin_token: str = "",
-                extra_args: list[str] = (), python: str | None = None, quantization: str | None = None) -> list[str]:
+                extra_args: list[str] = (), python: str | None = None, quantization: str | None = None,
+                speculative: SpeculativeConfig | None = None) -> list[str]:
     """The command line of one SGLang server."""
     argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
             "--host", host, "--port", str(port), "--tp-size", str(tp_size), "--weight-version", str(weight_version),
@@ -48,6 +51,10 @@ def sglang_argv(model_path: str, *, host: str, port: int, tp_size: int = 1, weig
         argv += ["--admin-api-key", admin_token]
     if quantization:  # the model path is then a checkpoint in that stored form (rollout.precision)
         argv += ["--quantization", quantization]
+    if speculative is not None:  # a separate draft model: SGLang's STANDALONE algorithm, one chain of k proposals
+        argv += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
+                 str(speculative.draft["path"]), "--speculative-num-steps", str(speculative.num_tokens),
+                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(speculative.num_tokens + 1)]
     return argv + [str(a) for a in extra_args]
 
 
@@ -65,7 +72,10 @@ class SGLangLauncher(SubprocessLauncher):
     log-probs at the request's temperature; ``model`` starts the server with ``SGLANG_RETURN_ORIGINAL_LOGPROB``
     (temperature 1). SGLang has no log-probs of the top-p/top-k truncated distribution. ``precision``
     (``rollout.precision``): the server starts from a copy of the model in the scheme's stored form with the matching
-    ``--quantization`` (:data:`QUANTIZATION`), and the pushes (on disk) are in that form too."""
+    ``--quantization`` (:data:`QUANTIZATION`), and the pushes (on disk) are in that form too. ``speculative``
+    (:mod:`miles.engine.speculative`): a draft model directory (``draft: {path: ...}``) run by SGLang's
+    ``STANDALONE`` algorithm with ``num_tokens`` proposals a step; SGLang speculates at every step (``when:
+    always``), and its weight updates reach the target only (``train: false``)."""
 
     protocol = "sglang"
     logprobs_of_choices = ("sampling", "model")
@@ -78,10 +88,12 @@ class SGLangLauncher(SubprocessLauncher):
                  enable_return_routed_experts: bool | None = None, extra_args: list[str] | None = None,
                  python: str | None = None, startup_timeout_s: float | None = None, log_dir: str | None = None,
                  stop_timeout_s: float = 30.0, logprobs_of: str = "sampling",
-                 precision: dict[str, Any] | None = None) -> None:
+                 precision: dict[str, Any] | None = None, speculative: dict[str, Any] | None = None) -> None:
         self.check_args({"tp_size": tp_size, "mem_fraction_static": mem_fraction_static, "dtype": dtype,
                          "random_seed": random_seed, "extra_args": extra_args or [],
-                         "startup_timeout_s": startup_timeout_s, "logprobs_of": logprobs_of, "precision": precision})
+                         "startup_timeout_s": startup_timeout_s, "logprobs_of": logprobs_of, "precision": precision,
+                         "speculative": speculative})
+        self.speculative = SpeculativeConfig.parse(speculative) if speculative is not None else None
         self.scheme = from_spec(precision) if precision is not None else None
         self._stored_form: str | None = None  # the starting checkpoint in the stored form, removed at stop
         self.logprobs_of = logprobs_of
@@ -129,6 +141,17 @@ class SGLangLauncher(SubprocessLauncher):
             if name not in QUANTIZATION:
                 raise ValueError(f"precision (rollout.precision): SGLang loads {', '.join(QUANTIZATION)} checkpoints "
                                  f"(--quantization {', '.join(sorted(set(QUANTIZATION.values())))}); not {name}")
+        if (speculative := args.get("speculative")) is not None:
+            spec = SpeculativeConfig.parse(speculative)
+            if "path" not in spec.draft:
+                raise ValueError("speculative.draft: SGLang loads a draft model from a directory ({path: DIR}); a "
+                                 "draft built by Miles is for the local engine")
+            if spec.when != "always":
+                raise ValueError(f"speculative.when: SGLang speculates at every decode step; set when: always "
+                                 f"(got {spec.when})")
+            if spec.train:
+                raise ValueError("speculative.train: SGLang's weight updates reach the target model only, so the "
+                                 "draft it runs cannot follow the policy; train the draft with the local engine")
         timeout = args.get("startup_timeout_s")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"startup_timeout_s: expected a positive number of seconds or null, got {timeout!r}")
@@ -155,7 +178,7 @@ class SGLangLauncher(SubprocessLauncher):
                            enable_memory_saver=bool(self.enable_memory_saver),
                            enable_return_routed_experts=bool(self.enable_return_routed_experts),
                            admin_token=admin_token, extra_args=self.extra_args, python=self.python,
-                           quantization=quantization)
+                           quantization=quantization, speculative=self.speculative)
 
     def stop(self) -> None:
         super().stop()

@@ -126,6 +126,28 @@ def test_rollout_precision_starts_sglang_on_the_stored_form_with_its_quantizatio
         SGLangLauncher(extra_args=["--quantization", "fp8"])
 
 
+def test_a_speculative_draft_starts_sglang_with_its_standalone_flags(tiny_model_dir, tmp_path):
+    """rollout.engine.speculative with SGLang: the draft directory, k proposals in one chain (top-k 1, k + 1 draft
+    tokens verified); what SGLang cannot do (a draft built by Miles, the tail only, a draft that trains) is refused."""
+    spec = {"draft": {"path": str(tmp_path / "draft")}, "num_tokens": 3, "when": "always"}
+    argv = SGLangLauncher(speculative=spec).command(str(tiny_model_dir), host="127.0.0.1", port=1234,
+                                                    admin_token="", threads=1)
+    flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--speculative")}
+    assert flags == {"--speculative-algorithm": "STANDALONE", "--speculative-draft-model-path": spec["draft"]["path"],
+                     "--speculative-num-steps": "3", "--speculative-eagle-topk": "1",
+                     "--speculative-num-draft-tokens": "4"}
+    assert "--speculative-algorithm" not in SGLangLauncher().command(str(tiny_model_dir), host="127.0.0.1",
+                                                                     port=1234, admin_token="", threads=1)
+    for bad, message in (({**spec, "when": "tail"}, "set when: always"),
+                         ({**spec, "train": True}, "reach the target model only"),
+                         ({**spec, "draft": {"build": {"num_layers": 1}}}, "SGLang loads a draft model from a dir"),
+                         ({**spec, "num_tokens": 0}, r"num_tokens: expected an integer in \[1, 16\]")):
+        with pytest.raises(ValueError, match=message):
+            SGLangLauncher(speculative=bad)
+    with pytest.raises(ValueError, match="--speculative-algorithm are set by Miles"):
+        SGLangLauncher(extra_args=["--speculative-algorithm", "EAGLE"])
+
+
 @pytest.mark.parametrize("args, message", [
     ({"tp_size": 0}, "tp_size"), ({"mem_fraction_static": 1.5}, "mem_fraction_static"), ({"dtype": "fp8"}, "dtype"),
     ({"extra_args": ["--port", "1"]}, "--port are set by Miles"), ({"extra_args": "--x"}, "extra_args"),

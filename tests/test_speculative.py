@@ -250,6 +250,22 @@ def test_sampled_log_probs_are_the_targets(target_dir, draft_dir, logprobs_of, p
         engine.close()
 
 
+def test_a_draft_that_agrees_gives_k_plus_one_tokens_per_target_forward(target_dir):
+    """The speed-up's mechanism, counted (not timed): the target as its own draft, greedy, keeps every proposal, so
+    each target forward of a row gives k + 1 tokens (the last step of a row may stop short at max_new_tokens)."""
+    k = 4
+    engine = _engine(target_dir, {"draft": {"path": str(target_dir)}, "num_tokens": k, "when": "always",
+                                  "force": True})
+    answers = _generate(engine, PROMPTS, {"max_new_tokens": 50, "temperature": 0.0, "ignore_eos": True})
+    stats = engine.stats()
+    engine.close()
+    assert all(len(a["output_ids"]) == 50 for a in answers)
+    assert stats["spec_accepted"] == stats["spec_proposed"]
+    # 49 tokens after the first (sampled at prefill): 9 full steps of 5 and one of 4, per row
+    assert stats["spec_row_forwards"] == len(PROMPTS) * 10
+    assert stats["spec_tokens"] / stats["spec_row_forwards"] >= k
+
+
 # -- when it speculates --------------------------------------------------------------------------------------------
 
 
@@ -299,6 +315,7 @@ def test_a_draft_that_cannot_pay_is_switched_off_and_the_engine_says_so(target_d
     ({"draft": {"path": "/d"}, "when": "sometimes"}, "when: expected one of tail, always"),
     ({"draft": {"path": "/d"}, "tail_rows": -1}, "tail_rows: expected an integer >= 1"),
     ({"draft": {"path": "/d"}, "train": "yes"}, "train: expected true or false"),
+    ({"draft": {"path": "/d"}, "lr": 0}, r"lr: expected a learning rate in \(0, 1\)"),
     ({"draft": {"path": "/d"}, "draft_tokens": 3}, "unknown key.*draft_tokens"),
 ])
 def test_bad_settings_are_refused_naming_the_field(spec, message):
@@ -353,7 +370,8 @@ def test_draft_weights_load_with_the_policys_and_bad_ones_apply_nothing(target_d
 def test_a_draft_that_learns_the_policys_samples_is_kept_more_often(target_dir, tmp_path):
     """A draft built at random learns 768 of the target's samples (DraftLearner, as rollout.engine.speculative.train
     does each step) and is pushed to the engine: its proposals are kept more often, the loss fell, and a tool's
-    tokens (loss mask 0) are not learnt."""
+    tokens (loss mask 0) are not learnt. Learning the policy's distributions (its exported weights) teaches more;
+    a backend that exports adapters only leaves the sampled tokens' cross-entropy."""
     from miles.loop.draft import DraftLearner
     from miles.rollout.plane import RolloutPlane
     from miles.types import Group, Sample, SampleStatus
@@ -385,6 +403,23 @@ def test_a_draft_that_learns_the_policys_samples_is_kept_more_often(target_dir, 
     learner.push(plane)
     end, _ = rate()
     assert end > start + 0.04, (start, end)  # 0.33 -> 0.38 with a one-layer draft of a two-layer target
+
+    class Policy:  # what the learner reads of a backend
+        def export_weights(self):
+            return {n: t.clone() for n, t in engine.model.state_dict().items()}
+
+    distilled = DraftLearner(SpeculativeConfig.parse(spec), str(target_dir), seed=1, lr=1e-2)
+    kl = [distilled.learn(groups, Policy())["rollout/spec_draft_loss"] for _ in range(10)]
+    assert kl[-1] < kl[0] / 2  # the KL to the policy's own distribution, at the samples' temperature (0.3)
+    distilled.push(plane)
+    assert rate()[0] > end + 0.04  # the policy's distributions teach more than its samples
+
+    class Adapters:
+        def export_weights(self):
+            return {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64)}
+
+    fallback = DraftLearner(SpeculativeConfig.parse(spec), str(target_dir), seed=1, lr=1e-2)
+    assert fallback.learn(groups, Adapters())["rollout/spec_draft_loss"] == pytest.approx(losses[0], rel=1e-4)
     engine.close()
 
 

@@ -13,7 +13,8 @@ proposal only where it is the target's argmax, and so gives the very tokens plai
       num_tokens: 4                      # k, the proposals per target forward
       when: tail                         # tail: only while at most tail_rows rows decode; always
       tail_rows: 4
-      train: false                       # each step, the draft learns the policy's samples
+      train: false                       # each step, the draft learns the policy's samples (miles.loop.draft)
+      lr: 0.0003                         # its learning rate (AdamW, 16 sequences a step)
       force: false                       # speculate even where the estimate says it cannot pay (see pays)
 
 The draft keeps its own K/V cache laid out column for column as the target's (one attention mask serves both); a
@@ -50,6 +51,7 @@ class SpeculativeConfig:
     when: str = "tail"
     tail_rows: int = 4
     train: bool = False
+    lr: float = 3e-4
     force: bool = False
 
     @classmethod
@@ -57,7 +59,7 @@ class SpeculativeConfig:
         """``spec`` as ``rollout.engine.speculative`` holds it; a ValueError names what is wrong."""
         if not isinstance(spec, dict):
             raise ValueError(f"speculative: expected a mapping with draft and num_tokens, got {spec!r}")
-        known = {"draft", "num_tokens", "when", "tail_rows", "train", "force"}
+        known = {"draft", "num_tokens", "when", "tail_rows", "train", "lr", "force"}
         if unknown := sorted(set(spec) - known):
             raise ValueError(f"speculative: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         draft = spec.get("draft")
@@ -80,14 +82,16 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative.draft.build.{name}: expected an integer >= 1, got {value!r}")
         elif not isinstance(draft["path"], str) or not draft["path"]:
             raise ValueError(f"speculative.draft.path: expected a model directory, got {draft['path']!r}")
-        out = cls(draft=dict(draft), **{k: spec[k] for k in ("num_tokens", "when", "tail_rows", "train", "force")
-                                                if k in spec})
+        out = cls(draft=dict(draft), **{k: spec[k] for k in ("num_tokens", "when", "tail_rows", "train", "lr",
+                                                                       "force") if k in spec})
         if not _positive_int(out.num_tokens) or out.num_tokens > 16:
             raise ValueError(f"speculative.num_tokens: expected an integer in [1, 16], got {out.num_tokens!r}")
         if out.when not in WHEN:
             raise ValueError(f"speculative.when: expected one of {', '.join(WHEN)}, got {out.when!r}")
         if not _positive_int(out.tail_rows):
             raise ValueError(f"speculative.tail_rows: expected an integer >= 1, got {out.tail_rows!r}")
+        if isinstance(out.lr, bool) or not isinstance(out.lr, (int, float)) or not 0 < out.lr < 1:
+            raise ValueError(f"speculative.lr: expected a learning rate in (0, 1), got {out.lr!r}")
         for name in ("train", "force"):
             if not isinstance(getattr(out, name), bool):
                 raise ValueError(f"speculative.{name}: expected true or false, got {getattr(out, name)!r}")

@@ -1,10 +1,12 @@
 """A speculative draft that keeps up with the policy (``rollout.engine.speculative.train: true``).
 
-The policy moves every step, and a fixed draft's proposals are kept less and less often. Each step, the draft
-learns the step's rollouts: the cross-entropy of the tokens the policy sampled, a Monte-Carlo estimate of the
-forward KL from the policy's distribution to the draft's (up to the policy's entropy, which the draft cannot
-change). Its weights go to the engines with the policy's, as ``draft.*`` tensors (the engines' version stays the
-policy's).
+The policy moves every step, and a fixed draft's proposals are kept less and less often. Each step, once the
+policy has learnt, the draft learns the step's rollouts towards the policy's new distribution: at every token the
+policy sampled (not a tool's or an environment's), the KL from the policy's distribution at the sample's
+temperature to the draft's, the policy's computed by a copy of it in the driver that loads the trainer's exported
+weights (one forward without gradients). A backend that exports no whole weights (LoRA adapters) leaves the
+cross-entropy of the sampled tokens, a noisier estimate of the same KL (up to the policy's entropy). Its weights go
+to the engines with the policy's, as ``draft.*`` tensors (the engines' version stays the policy's).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ _log = logging.getLogger(__name__)
 
 
 class DraftLearner:
-    def __init__(self, spec: SpeculativeConfig, model_path: str, seed: int, *, lr: float = 1e-3,
-                 batch_size: int = 32) -> None:
+    def __init__(self, spec: SpeculativeConfig, model_path: str, seed: int, *, lr: float = 3e-4,
+                 batch_size: int = 16) -> None:
         if "path" in spec.draft:
             self.model = hf.load_model(spec.draft["path"])
         else:
@@ -37,37 +39,57 @@ class DraftLearner:
         self.pad = int(self.model.config.get_text_config().pad_token_id or 0)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.batch_size = batch_size
+        self.model_path = model_path
+        self.teacher: Any = None  # the policy, loaded from its exported weights each step
+        self._learnt: dict[str, torch.Tensor] | None = None
+        self._no_teacher = False
 
-    def learn(self, groups: list[Group]) -> dict[str, float]:
-        """One pass over the trainable samples of ``groups`` (``batch_size`` sequences an optimizer step); the mean
-        loss of the tokens the policy sampled."""
-        sequences = [(s.prompt_ids, s.response_ids, s.loss_mask) for g in groups for s in g.trainable_samples
-                     if any(s.loss_mask)]
-        if not sequences:
+    def learn(self, groups: list[Group], policy: Any = None) -> dict[str, float]:
+        """One pass over the trainable samples of ``groups`` (``batch_size`` sequences an optimizer step) towards
+        ``policy``'s distribution (a backend whose ``export_weights()`` are the new policy's), or the sampled tokens
+        without one; the mean loss of the tokens the policy sampled."""
+        samples = [s for g in groups for s in g.trainable_samples if any(s.loss_mask)]
+        if not samples:
             return {}
+        teacher = self._teacher(policy)
         total, tokens = 0.0, 0
-        for start in range(0, len(sequences), self.batch_size):
-            chunk = sequences[start:start + self.batch_size]
-            width = max(len(p) + len(r) for p, r, _ in chunk)
-            ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
-            labels = torch.full((len(chunk), width), -100, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, (prompt, response, policy) in enumerate(chunk):
-                seq = list(prompt) + list(response)
-                ids[i, : len(seq)] = torch.tensor(seq)
-                mask[i, : len(seq)] = 1
-                # the tokens the policy sampled (a tool's or an environment's output is not the policy's)
-                labels[i, len(prompt): len(seq)] = torch.tensor([t if m else -100 for t, m in zip(response, policy)])
+        for start in range(0, len(samples), self.batch_size):
+            ids, mask, labels, temperature = _batch(samples[start:start + self.batch_size], self.pad)
             logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            targets = labels[:, 1:]
-            loss_sum = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                                         ignore_index=-100, reduction="sum")
-            n = int((targets != -100).sum())
+            targets, used = labels[:, 1:], labels[:, 1:] != -100
+            n = int(used.sum())
+            if teacher is not None:  # KL(policy || draft) at each sampled position, both at its temperature
+                with torch.no_grad():
+                    p = (teacher(input_ids=ids, attention_mask=mask).logits[:, :-1].float()[used]
+                         / temperature[used].unsqueeze(-1)).log_softmax(-1)
+                q = (logits[used] / temperature[used].unsqueeze(-1)).log_softmax(-1)
+                loss_sum = (p.exp() * (p - q)).sum()
+            else:
+                loss_sum = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                             targets.reshape(-1), ignore_index=-100, reduction="sum")
             self.optimizer.zero_grad(set_to_none=True)
             (loss_sum / n).backward()
             self.optimizer.step()
             total, tokens = total + float(loss_sum.detach()), tokens + n
+        self._learnt = self.weights()  # what the next push sends (a streaming schedule pushes from a thread)
         return {"rollout/spec_draft_loss": total / tokens}
+
+    def _teacher(self, policy: Any) -> Any:
+        """The policy as a model in this process, with ``policy``'s exported weights (None without them)."""
+        if policy is None or self._no_teacher:
+            return None
+        weights = policy.export_weights()
+        if self.teacher is None:
+            self.teacher = hf.load_model(self.model_path).eval()
+            self.teacher.requires_grad_(False)
+        try:
+            self.teacher.load_state_dict(weights, strict=True)
+        except (RuntimeError, KeyError) as exc:  # e.g. LoRA adapters only: the sampled tokens it is
+            _log.warning("the speculative draft learns the sampled tokens: the policy's exported weights do not "
+                         "load into a copy of it (%s)", str(exc).splitlines()[0])
+            self._no_teacher, self.teacher = True, None
+            return None
+        return self.teacher
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The draft's weights as a push carries them."""
@@ -76,7 +98,7 @@ class DraftLearner:
     def push(self, plane: Any) -> None:
         """Send the draft's weights to every engine (in-process engines directly, servers as safetensors bytes
         to ``/update_weights_from_tensor``)."""
-        weights = self.weights()
+        weights = self._learnt if self._learnt is not None else self.weights()
         if plane.router is None:
             for engine in plane.local_engines:
                 engine.update_weights(weights)
@@ -85,3 +107,20 @@ class DraftLearner:
 
         plane.post_all("/update_weights_from_tensor", tensor_bytes(weights),
                        params={"weight_version": str(plane.weight_version)})
+
+
+def _batch(samples: list[Any], pad: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded ids and mask, labels (-100 where not a policy token) and each position's temperature."""
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    ids = torch.full((len(samples), width), pad, dtype=torch.long)
+    labels = torch.full((len(samples), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(samples), width), dtype=torch.long)
+    temperature = torch.ones((len(samples), width))
+    for i, s in enumerate(samples):
+        seq, start = list(s.prompt_ids) + list(s.response_ids), len(s.prompt_ids)
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+        labels[i, start: len(seq)] = torch.tensor([t if m else -100 for t, m in zip(s.response_ids, s.loss_mask)])
+        for record in s.sampled_with:  # the token at response position j was drawn at this temperature
+            temperature[i, start + record.start - 1: len(seq) - 1] = record.temperature or 1.0
+    return ids, mask, labels, temperature[:, :-1]

@@ -319,9 +319,11 @@ class StreamSchedule:
         prefill_now = c.plane.prefill_counts_soon()  # the engines answer while the trainer trains
         failed = check_failures(step, samples, c.max_failed_frac)
         c.hooks.miles_rollout_end(step=step, groups=groups)
-        metrics: dict[str, float] = c.draft.learn(groups) if c.draft is not None else {}
+        metrics: dict[str, float] = {}
         sync_s = 0.0
         if c.learner.learn(step, groups, metrics):
+            if c.draft is not None:  # towards the policy just learnt, before both are pushed
+                metrics.update(c.draft.learn(groups, c.learner.backend))
             sync_start = time.perf_counter()
             self._update(step)
             sync_s = time.perf_counter() - sync_start

@@ -76,13 +76,13 @@ def sync_step(c: Step, step: int) -> dict[str, float]:
     collected = c.collector.collect(c.data, c.rollout_fn, c.ctx, c.reward_fn, check)
     metrics = rollout_metrics(c, collected, time.perf_counter() - start, prefill_before, sum(failed))
     c.hooks.miles_rollout_end(step=step, groups=collected.groups)
-    if c.draft is not None:
-        metrics.update(c.draft.learn(collected.groups))
     released = c.release_memory and any(g.trainable_samples for g in collected.groups)  # else nothing is pushed
     if released:
         c.plane.release_memory()
     sync_s = 0.0
     if c.learner.learn(step, collected.groups, metrics):
+        if c.draft is not None:  # towards the policy just learnt, before both are pushed
+            metrics.update(c.draft.learn(collected.groups, c.learner.backend))
         sync_start = time.perf_counter()
         if released:  # weights back first (to receive the push), then the cache
             c.plane.resume_memory("weights")

@@ -1,0 +1,63 @@
+"""A draft that keeps up: the acceptance of speculative proposals over a GRPO run, with and without draft training.
+
+The quickstart's RL phase from its SFT model, the draft starting as that same SFT model (so that it agrees with
+the policy at step 0), speculating at every step. Without ``speculative.train`` the draft stays the step-0 policy
+and its proposals are kept less often as the policy learns; with it, the draft learns each step's rollouts and
+its acceptance holds. Prints the acceptance every ``--every`` steps (means over the steps since the last row).
+
+    python benchmarks/speculative_training.py [--steps 200] [--seed 0] [--lr 1e-3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from statistics import fmean
+
+import torch
+
+from _common import miles_grpo_phase, sft_checkpoint
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--every", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model, data = sft_checkpoint(root / "sft", args.seed)
+        runs = {}
+        for train in (False, True):
+            spec = (f"{{draft: {{path: {model}}}, num_tokens: 2, when: always, force: true, "
+                    f"train: {str(train).lower()}, lr: {args.lr}}}")
+            rows = miles_grpo_phase(model, data, root / f"train-{train}", [
+                f"run.steps={args.steps}", f"run.seed={args.seed}", f"rollout.engine.speculative={spec}"])
+            runs[train] = [r for r in rows if "rollout/spec_accept_rate" in r]
+    print(f"quickstart GRPO from its SFT model, {args.steps} steps, seed {args.seed}; the draft starts as the SFT "
+          f"model; 2 proposals a step; draft lr {args.lr}")
+    print(f"{'steps':>9} {'reward':>7} {'kept (fixed draft)':>19} {'reward':>7} {'kept (trained draft)':>21} "
+          f"{'draft loss':>10}")
+    fixed, trained = runs[False], runs[True]
+    for start in range(0, min(len(fixed), len(trained)), args.every):
+        a, b = fixed[start:start + args.every], trained[start:start + args.every]
+        print(f"{start:>4}-{start + len(a) - 1:<4} {fmean(r['reward/mean'] for r in a):7.3f} "
+              f"{fmean(r['rollout/spec_accept_rate'] for r in a):19.3f} {fmean(r['reward/mean'] for r in b):7.3f} "
+              f"{fmean(r['rollout/spec_accept_rate'] for r in b):21.3f} "
+              f"{fmean(r['rollout/spec_draft_loss'] for r in b):10.3f}")
+    for name, rows in (("fixed draft", fixed), ("trained draft", trained)):
+        start = rows[0]["rollout/spec_accept_rate"]
+        last = fmean(r["rollout/spec_accept_rate"] for r in rows[-args.every:])
+        lowest = min(fmean(r["rollout/spec_accept_rate"] for r in rows[i:i + args.every])
+                     for i in range(0, len(rows), args.every))
+        print(f"{name}: kept {start:.3f} at step 0, {last:.3f} over the last {args.every} steps "
+              f"({(last - start) / start:+.1%}); the lowest {args.every}-step mean {lowest:.3f} "
+              f"({(lowest - start) / start:+.1%})")
+
+
+if __name__ == "__main__":
+    main()

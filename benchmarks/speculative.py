@@ -5,9 +5,9 @@ The task: over 64 symbols in a fixed order, the prompt ``s:`` asks for the symbo
 (1 to 63 of them), then the end token. The target (hidden 768, 8 layers, 50M parameters) and the draft (hidden 128,
 2 layers) are trained on it once and kept under ``--cache``. Then, at temperature 1:
 
-- the tail: tokens/s of 1, 2 and 4 rows decoding 63 tokens each, plain and speculative (``when: always``);
+- the tail: tokens/s of 1 to 16 rows decoding 63 tokens each, plain and speculative (``when: always``);
 - a whole rollout batch whose lengths are long-tailed (most answers short, a few long), plain and with the default
-  ``when: tail`` (speculation once at most ``tail_rows`` rows decode: 4, the default, and 8), and the share of
+  ``when: tail`` (speculation once at most ``tail_rows`` rows decode: 4, 8 and 16, the default), and the share of
   exact answers of each (the same distribution: speculation changes the speed, not the samples).
 
     python benchmarks/speculative.py [--num-tokens 4] [--batch 64] [--threads 2]
@@ -106,7 +106,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--target-steps", type=int, default=150)
     parser.add_argument("--draft-steps", type=int, default=400)
-    parser.add_argument("--tail-rows", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--tail-rows", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--cache", default=".cache/benchmarks/speculative")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -125,7 +126,7 @@ def main() -> None:
 
     print("\nthe tail: rows decoding 63 tokens each")
     print(f"{'rows':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} {'kept':>6} {'tok/forward':>12}")
-    for rows in (1, 2, 4):
+    for rows in args.rows:
         prompts = [encode(example(rng, 63)[0]) for _ in range(rows)]
         generate(plain, prompts[:1], 4)  # warm up
         answers, plain_s = generate(plain, prompts, 63)

@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--policy-lr", type=float, default=None, help="backend.lr (the quickstart's by default)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -36,10 +37,11 @@ def main() -> None:
             spec = (f"{{draft: {{path: {model}}}, num_tokens: 2, when: always, force: true, "
                     f"train: {str(train).lower()}, lr: {args.lr}}}")
             rows = miles_grpo_phase(model, data, root / f"train-{train}", [
-                f"run.steps={args.steps}", f"run.seed={args.seed}", f"rollout.engine.speculative={spec}"])
+                f"run.steps={args.steps}", f"run.seed={args.seed}", f"rollout.engine.speculative={spec}",
+                *([f"backend.lr={args.policy_lr}"] if args.policy_lr else [])])
             runs[train] = [r for r in rows if "rollout/spec_accept_rate" in r]
     print(f"quickstart GRPO from its SFT model, {args.steps} steps, seed {args.seed}; the draft starts as the SFT "
-          f"model; 2 proposals a step; draft lr {args.lr}")
+          f"model; 2 proposals a step; draft lr {args.lr}; policy lr {args.policy_lr or 'as the quickstart'}")
     print(f"{'steps':>9} {'reward':>7} {'kept (fixed draft)':>19} {'reward':>7} {'kept (trained draft)':>21} "
           f"{'draft loss':>10}")
     fixed, trained = runs[False], runs[True]

@@ -28,8 +28,9 @@ QWEN3_05B = {"hidden_size": 1024, "num_layers": 32, "num_heads": 16, "num_kv_hea
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
         "intermediate_size": 128, "max_position_embeddings": 256}
 
-# check -> (seconds allowed on a GPU, in the dry run): 730 s on a GPU in all (checks rarely use their whole budget);
-# where one command may take 10 minutes, run them in two: --only ... sglang_run and --only precision sglang_precision.
+# check -> (seconds allowed on a GPU, in the dry run): 940 s on a GPU in all (checks rarely use their whole budget);
+# where one command may take 10 minutes, run them in two: --only ... sglang_run and --only precision sglang_precision
+# speculative sglang_speculative.
 CHECKS = {
     "environment": (20, 60),
     "quickstart": (60, 180),
@@ -332,7 +333,7 @@ def check_speculative(dry: bool, tmp: Path) -> dict:
     target = load_model(path)
     draft = load_model(path)
     draft.model.layers = draft.model.layers[:2]
-    draft.config.num_hidden_layers = 2
+    draft.config.layer_types, draft.config.num_hidden_layers = draft.config.layer_types[:2], 2
     save_pretrained(draft, load_tokenizer(path), tmp / "draft")
     del target, draft
     new_tokens = 16 if dry else 128

@@ -3,14 +3,15 @@
 #   the quickstart on CUDA (bf16), the embedded engine's decode tokens/s and the torch backend's training
 #   tokens/s for a random-init Qwen3 of about 0.5B parameters, weight-sync time for it, miles-megatron's
 #   conformance tests on CUDA, a short run with miles-sglang engines when sglang installs, and FP8 / INT4 rollout,
-#   INT4 QAT and MXFP8 training, and FP8 / INT4 SGLang engines on the stored form (docs/precision.md).
-# About 12 minutes on one H200-class GPU (run it in two with --only where a command may take 10); each check has a
+#   INT4 QAT and MXFP8 training, and FP8 / INT4 SGLang engines on the stored form (docs/precision.md), and
+#   speculative decoding in the embedded engine and in SGLang with a draft model (docs/speculative.md).
+# About 15 minutes on one H200-class GPU (run it in two with --only where a command may take 10); each check has a
 # time budget (scripts/gpu_check.py).
 #
 #   bash scripts/gpu_check.sh                    # on the GPU machine, from the repository root
 #   bash scripts/gpu_check.sh --wheels DIR       # install from wheels in DIR (a machine without internet)
 #   bash scripts/gpu_check.sh --dry-run          # here, on CPU, tiny sizes, nothing installed
-#   bash scripts/gpu_check.sh --only precision sglang_precision   # some checks (the last option)
+#   bash scripts/gpu_check.sh --only precision sglang_precision speculative sglang_speculative   # some checks
 #
 # Writes the summary to $OUT/gpu_check.json as well when OUT is set. Exit code 0 when every check passed
 # or was skipped (with the reason in the summary).

@@ -25,7 +25,7 @@ def test_the_dry_run_prints_one_summary_with_every_check(tmp_path):
     assert summary["dry_run"] is True
     assert list(checks) == ["environment", "quickstart", "engine_decode", "train_throughput", "weight_sync",
                             "megatron_conformance", "logprob_kernels", "sglang_run", "precision",
-                            "sglang_precision"]
+                            "sglang_precision", "speculative", "sglang_speculative"]
     failed = {name: c for name, c in checks.items() if c["status"] not in ("ok", "skipped")}
     assert not failed, json.dumps(failed, indent=1)[-4000:]
     assert done.returncode == 0 and summary["ok"] is True
@@ -44,6 +44,9 @@ def test_the_dry_run_prints_one_summary_with_every_check(tmp_path):
     precision = checks["precision"]
     assert precision["fp8_block_rollout"]["steps"] == 3 and precision["fp8_block_rollout"]["push_vs_bf16"] < 0.7
     assert precision["int4_rollout_qat"]["logprob_abs_diff"] * 5 < precision["int4_rollout"]["logprob_abs_diff"]
+    speculative = checks["speculative"]
+    assert speculative["logprob_abs_diff_max"] < 1e-4 and speculative["speculative_tokens_per_s"] > 0
+    assert "sglang" in checks["sglang_speculative"].get("skipped", "") or checks["sglang_speculative"]["steps"] == 3
 
 
 def test_a_wrong_argument_is_refused_with_exit_code_2():

@@ -450,8 +450,10 @@ class ContinuousBatcher:
         self.stats["decode_steps"] += 1
         self.stats["spec_steps"] += 1
         self.stats["spec_row_forwards"] += batch
-        self.stats["spec_proposed"] += batch * k
-        self.stats["spec_accepted"] += int(kept.sum())
+        # a proposal counts where the row could use it: not after its stop token or its last token
+        considered = [k if r.finish is None else min(k, n) for r, n in zip(self._rows, taken)]
+        self.stats["spec_proposed"] += sum(considered)
+        self.stats["spec_accepted"] += sum(min(int(n), c) for n, c in zip(kept.tolist(), considered))
         self.stats["spec_tokens"] += sum(taken)
         self._pack_holes(k)
         self._retire(0)

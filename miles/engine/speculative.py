@@ -12,7 +12,7 @@ proposal only where it is the target's argmax, and so gives the very tokens plai
                                          # architecture, smaller, at random (train: true teaches it)
       num_tokens: 4                      # k, the proposals per target forward
       when: tail                         # tail: only while at most tail_rows rows decode; always
-      tail_rows: 4
+      tail_rows: 16
       train: false                       # each step, the draft learns the policy's samples (miles.loop.draft)
       lr: 0.0003                         # its learning rate (AdamW, 16 sequences a step)
       force: false                       # speculate even where the estimate says it cannot pay (see pays)
@@ -49,7 +49,7 @@ class SpeculativeConfig:
     draft: dict[str, Any] = field(default_factory=dict)
     num_tokens: int = 4
     when: str = "tail"
-    tail_rows: int = 4
+    tail_rows: int = 16  # up to here a decode step is bound by reading the weights (benchmarks/speculative.py)
     train: bool = False
     lr: float = 3e-4
     force: bool = False

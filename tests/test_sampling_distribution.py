@@ -1,7 +1,6 @@
 """rollout.logprobs_of: the engine reports, and the trainer computes, the log-prob of each sampled token under the
 distribution it was drawn from (its temperature; top-p/top-k too with ``truncated``), on every log-prob path."""
 
-import asyncio
 import collections
 import math
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 
 from miles.cli import main
-from miles.engine.local import LocalEngine
+from miles.testing import generate_all, local_engine
 from miles.models.hf import load_model, save_pretrained
 from miles.models.sampling import distribution_logits
 from miles.train.torch_backend import TorchBackend
@@ -36,16 +35,10 @@ def model_dir(tmp_path_factory):
 
 
 def _engine(model_dir, logprobs_of="sampling", **kwargs):
-    engine = LocalEngine(seed=3, logprobs_of=logprobs_of, **kwargs)
-    engine.load_model(str(model_dir))
-    return engine
+    return local_engine(model_dir, logprobs_of=logprobs_of, **kwargs)
 
 
-def _generate(engine, prompts, params):
-    async def go():
-        return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-
-    return asyncio.run(go())
+_generate = generate_all
 
 
 def _model_logits(model_dir, ids):

@@ -15,7 +15,7 @@ from miles.engine.local import LocalEngine
 from miles.engine.speculative import SpeculativeConfig, accept, draft_distribution
 from miles.models.hf import exact_logprobs, load_model, load_tokenizer, save_pretrained
 from miles.models.sampling import distribution_logits
-from miles.testing import build_tiny_model
+from miles.testing import build_tiny_model, generate_all, local_engine
 
 PROMPT = [4, 13, 5, 14]
 PROMPTS = [PROMPT, [7, 13, 2], [3, 13, 9, 14, 2, 2], [5], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9]]
@@ -51,16 +51,10 @@ def _spec(draft_dir, **kwargs):
 
 
 def _engine(model_dir, speculative=None, **kwargs):
-    engine = LocalEngine(seed=3, speculative=speculative, **kwargs)
-    engine.load_model(str(model_dir))
-    return engine
+    return local_engine(model_dir, speculative=speculative, **kwargs)
 
 
-def _generate(engine, prompts, params):
-    async def go():
-        return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-
-    return asyncio.run(go())
+_generate = generate_all
 
 
 # -- the rule itself ---------------------------------------------------------------------------------------------------

@@ -40,10 +40,27 @@ MILES_WITH_CTRL_C = [sys.executable, "-c", "import runpy, signal; "
                      "runpy.run_module('miles', run_name='__main__')"]
 
 
+def local_engine(model_dir: str | Path, **kwargs: Any) -> Any:
+    """A ``local`` rollout engine (``LocalEngine(**kwargs)``, seed 3 unless given) with ``model_dir`` loaded."""
+    from miles.engine.local import LocalEngine
+
+    engine = LocalEngine(**{"seed": 3, **kwargs})
+    engine.load_model(str(model_dir))
+    return engine
+
+
+def generate_all(engine: Any, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The answers of ``engine`` to ``prompts``, all asked in one event-loop turn (admitted together)."""
+    import asyncio
+
+    async def go() -> list[dict[str, Any]]:
+        return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+    return asyncio.run(go())
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -300,6 +300,40 @@ def test_an_abort_and_a_weight_update_between_speculative_steps(target_dir, draf
     assert after["output_ids"] == first["output_ids"][changed:]
 
 
+def test_a_vision_language_target_speculates_with_a_text_draft(vlm_model_dir, tmp_path):
+    """A Qwen2.5-VL target and a text model with its tokenizer as the draft: with images in the prompts, greedy
+    answers and log-probs are plain decoding's (the target sees the images; the draft proposes from the text); a
+    built draft is refused (it would be a vision-language model too)."""
+    from miles.testing.fixtures import CHAT_ALPHABET, VISION_TOKENIZER
+    from miles.testing.vision import VISION_PROMPT, draw_dots, png_bytes
+
+    draft = _peaked(tmp_path, seed=0, alphabet=CHAT_ALPHABET, tokenizer=VISION_TOKENIZER)
+    image = tmp_path / "dots.png"
+    image.write_bytes(png_bytes(draw_dots(3, "red")))
+    tokenizer = load_tokenizer(vlm_model_dir)
+    prompts = [tokenizer.encode(VISION_PROMPT), tokenizer.encode("no image here: ")]
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    answers = []
+    for speculative in (None, _spec(draft)):
+        engine = _engine(vlm_model_dir, speculative)
+
+        async def go():
+            return await asyncio.gather(engine.generate(prompts[0], params, image_data=str(image)),
+                                        engine.generate(prompts[1], params))
+
+        answers.append(asyncio.run(go()))
+        if speculative is not None:
+            stats = engine.stats()
+            assert stats["spec_accepted"] < stats["spec_proposed"], stats  # refused proposals: residual draws
+        engine.close()
+    for plain, spec in zip(*answers):
+        assert plain["output_ids"] == spec["output_ids"]
+        assert max(abs(a[0] - b[0]) for a, b in zip(plain["meta_info"]["output_token_logprobs"],
+                                                    spec["meta_info"]["output_token_logprobs"])) <= 1e-5
+    with pytest.raises(ValueError, match="a vision-language target takes a text draft model from a directory"):
+        _engine(vlm_model_dir, {"draft": {"build": {"num_layers": 1}}, "force": True})
+
+
 # -- when it speculates --------------------------------------------------------------------------------------------
 
 

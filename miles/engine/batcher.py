@@ -418,7 +418,7 @@ class ContinuousBatcher:
             self.draft.build([r.prompt + r.output_ids[:-1] for r in self._rows], self._mask)
         width = self._mask.shape[1]
         mask = torch.cat([self._mask, torch.ones((batch, k + 1), dtype=torch.long, device=self.device)], dim=1)
-        proposals, q = self.draft.propose(self._pending, self._next_pos, mask, k, self._settings, self.generator,
+        proposals, q = self.draft.propose(self._pending, mask, k, self._settings, self.generator,
                                           self.never_generated)
         ids = torch.cat([self._pending.unsqueeze(1), proposals], dim=1)
         positions = self._next_pos.unsqueeze(1) + torch.arange(k + 1, device=self.device)

@@ -36,17 +36,19 @@ class Draft:
                    logits_to_keep=1)
 
     @torch.inference_mode()
-    def propose(self, pending: torch.Tensor, next_pos: torch.Tensor, mask: torch.Tensor, k: int,
+    def propose(self, pending: torch.Tensor, mask: torch.Tensor, k: int,
                 settings: tuple[torch.Tensor, ...], generator: torch.Generator | None,
                 never_generated: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``k`` proposals per row ([B, k]) and the distributions they were drawn from ([B, k, V]). The draft is
         fed the pending token and every proposal (k + 1 columns, as the target will be); ``mask`` [B, T + k + 1]
         is the batch's mask with those columns."""
         width = mask.shape[1] - (k + 1)
+        # the draft's own positions: the tokens it holds (a vision-language target's count images otherwise)
+        start = mask[:, :width].sum(dim=1)
         token, proposals, dists = pending, [], []
         for j in range(k + 1):
             logits = self.model(input_ids=token.unsqueeze(1), attention_mask=mask[:, : width + j + 1],
-                                position_ids=(next_pos + j).unsqueeze(1), cache=self.cache,
+                                position_ids=(start + j).unsqueeze(1), cache=self.cache,
                                 use_cache=True).logits[:, -1, :].float()
             if j == k:  # the last proposal's column: the target scores it, the draft only holds it
                 break

@@ -147,10 +147,11 @@ class LocalEngine:
     def _load_draft(self, device: torch.device) -> Any:
         """The draft of ``speculative``: loaded from its directory (the target's tokenizer and vocabulary, else a
         ValueError), or built at random as the target's architecture with smaller sizes."""
-        if self.vision is not None:
-            raise ValueError("speculative: a vision-language target is not supported yet (its draft would see "
-                             "image placeholders, not the images)")
         spec = self.speculative.draft
+        if self.vision is not None and "path" not in spec:
+            raise ValueError("speculative.draft: a vision-language target takes a text draft model from a directory "
+                             "({path: DIR}, with the target's tokenizer); it proposes from the text, the image "
+                             "placeholders in place of the images")
         dtype = next(self.model.parameters()).dtype
         if "path" in spec:
             if not os.path.isfile(os.path.join(spec["path"], "config.json")):

@@ -404,6 +404,22 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start(target_dir, tmp_path
         _engine(target_dir, _spec(wider))
 
 
+def test_a_bad_draft_fails_the_run_before_anything_is_written(tmp_path, capsys):
+    """The run's checks build the engine and check its draft before SFT: exit 2 naming the draft, no run directory."""
+    import re
+
+    from miles.cli import main
+
+    for override, message in (("{draft: {path: /nowhere}}", "speculative.draft.path '/nowhere' is not an HF model"),
+                              ("{draft: mtp}", "mtp .* is not built yet"),
+                              ("{draft: {build: {num_layers: 1}}, when: later}", "when: expected one of")):
+        code = main(["train", "configs/quickstart.yaml", "run.progress=false", f"run.dir={tmp_path / 'run'}",
+                     f"rollout.engine.speculative={override}"])
+        err = capsys.readouterr().err
+        assert code == 2 and re.search(message, err), err
+        assert "sft:" not in err and not (tmp_path / "run").exists()
+
+
 # -- the draft's weights ---------------------------------------------------------------------------------------------
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -148,27 +147,11 @@ class LocalEngine:
         """The draft of ``speculative``: loaded from its directory (the target's tokenizer and vocabulary, else a
         ValueError), or built at random as the target's architecture with smaller sizes."""
         spec = self.speculative.draft
-        if self.vision is not None and "path" not in spec:
-            raise ValueError("speculative.draft: a vision-language target takes a text draft model from a directory "
-                             "({path: DIR}, with the target's tokenizer); it proposes from the text, the image "
-                             "placeholders in place of the images")
+        speculative_config.check_draft(self.speculative, self.model_path, self.model.config,
+                                       self.tokenizer.get_vocab())
         dtype = next(self.model.parameters()).dtype
         if "path" in spec:
-            if not os.path.isfile(os.path.join(spec["path"], "config.json")):
-                raise ValueError(f"speculative.draft.path {spec['path']!r} is not an HF model directory (no "
-                                 f"config.json there)")
             draft = hf.load_model(spec["path"], dtype=dtype)
-            size = int(draft.config.get_text_config().vocab_size)
-            if size != self.vocab_size:
-                raise ValueError(f"speculative.draft.path {spec['path']}: its vocabulary has {size} tokens, the "
-                                 f"target's {self.vocab_size}: a draft must use the target's tokenizer")
-            try:
-                vocab = hf.load_tokenizer(spec["path"]).get_vocab()
-            except (OSError, ValueError):
-                vocab = None  # a directory without a tokenizer: the vocabulary's size is what can be checked
-            if vocab is not None and vocab != self.tokenizer.get_vocab():
-                raise ValueError(f"speculative.draft.path {spec['path']}: its tokenizer is not the target's "
-                                 f"(a draft must propose the target's token ids)")
         else:
             config = speculative_config.draft_config(self.model.config, spec["build"])
             with torch.random.fork_rng():

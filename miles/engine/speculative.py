@@ -31,7 +31,7 @@ from miles.models.sampling import scaled_logits, truncated_logits
 
 torch = lazy_module("torch")
 
-__all__ = ["SpeculativeConfig", "accept", "draft_distribution", "pays", "DRAFT_PREFIX", "BUILD_FIELDS"]
+__all__ = ["SpeculativeConfig", "accept", "check_draft", "draft_distribution", "pays", "DRAFT_PREFIX", "BUILD_FIELDS"]
 
 DRAFT_PREFIX = "draft."  # a weight update's tensors for the draft (the rest are the target's)
 WHEN = ("tail", "always")
@@ -104,6 +104,39 @@ class SpeculativeConfig:
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_draft(config: SpeculativeConfig, model_path: str, target_config: Any = None,
+                target_vocab: dict[str, int] | None = None) -> None:
+    """A ValueError naming what makes ``config.draft`` unfit for the target at ``model_path``: a draft directory
+    that is not a model, or whose vocabulary or tokenizer is not the target's; a built draft for a vision-language
+    target. ``target_config``/``target_vocab``: the target's, when the caller has them loaded."""
+    import os
+
+    from miles.models import hf
+
+    target_config = target_config if target_config is not None else hf.load_model_config(model_path)
+    text = target_config.get_text_config()
+    if "path" not in config.draft:
+        if text is not target_config:  # a vision-language model
+            raise ValueError("speculative.draft: a vision-language target takes a text draft model from a directory "
+                             "({path: DIR}, with the target's tokenizer); it proposes from the text, the image "
+                             "placeholders in place of the images")
+        return
+    path = config.draft["path"]
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"speculative.draft.path {path!r} is not an HF model directory (no config.json there)")
+    size, target_size = int(hf.load_model_config(path).get_text_config().vocab_size), int(text.vocab_size)
+    if size != target_size:
+        raise ValueError(f"speculative.draft.path {path}: its vocabulary has {size} tokens, the target's "
+                         f"{target_size}: a draft must use the target's tokenizer")
+    try:
+        vocab = hf.load_tokenizer(path).get_vocab()
+    except (OSError, ValueError):
+        return  # a directory without a tokenizer: the vocabulary's size is what can be checked
+    if vocab != (target_vocab if target_vocab is not None else hf.load_tokenizer(model_path).get_vocab()):
+        raise ValueError(f"speculative.draft.path {path}: its tokenizer is not the target's (a draft must propose "
+                         f"the target's token ids)")
 
 
 def draft_config(target_config: Any, build: dict[str, int]) -> Any:

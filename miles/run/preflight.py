@@ -24,9 +24,10 @@ from miles.run.hub import is_hub_data, model_folder, stage_hub_split
 from miles.run.lock import LOCK_NAME
 from miles.run.checkpoint import Checkpoint, check_compatible, model_signature, newest_intact_checkpoint
 from miles.config.schema import EvalDatasetConfig, EvalSamplingConfig
-from miles.config.validate import component_node
+from miles.config.validate import component_node, split_node
 from miles.loop.distill import check_teacher
 from miles.errors import ConfigError, DataError
+from miles.hookspecs import is_server_launcher
 from miles.loop.evaluation import EvalSet, read_eval_sets
 from miles.models.hf import build_model_dir, context_length, load_tokenizer, set_chat_template
 from miles.rewards.labels import LabelNeed, label_need
@@ -194,6 +195,22 @@ def _check_precision(p: Any, model_path: str) -> None:
                               f"merged weights, quantized)")
 
 
+def _check_engine(p: Any, model_path: str) -> None:
+    """``rollout.engine``: the engine takes its arguments (built, nothing loaded or started: the same error as at
+    the RL phase, before anything is written), and its speculative draft fits the model."""
+    from miles.engine.speculative import SpeculativeConfig, check_draft
+
+    args, _ = split_node(p.config.rollout.engine, "rollout.engine")
+    engine = p.registry.build("rollout_engine", args, "rollout.engine")
+    if (close := getattr(engine, "close", None)) is not None and not is_server_launcher(engine):
+        close()
+    if (spec := args.get("speculative")) is not None:
+        try:
+            check_draft(SpeculativeConfig.parse(spec), model_path)
+        except ValueError as exc:
+            raise ConfigError(f"rollout.engine: {exc}") from exc
+
+
 def _resume_checkpoint(run_dir: Path, p: Any, base_model: str, stack: list[dict[str, Any]]) -> Checkpoint | None:
     found, skipped = newest_intact_checkpoint(run_dir / "checkpoints")
     for problem in skipped:
@@ -348,6 +365,7 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
         check_teacher(config.distill, model_path)
         _check_lora(p, model_path)
         _check_precision(p, model_path)
+        _check_engine(p, model_path)
         context, room = context_length(model_path), int(config.rollout.sampling.max_new_tokens)
         policy = data_cfg.overlong_prompts
         train_prompts, dropped = _fit_context(train_prompts, train_path, room, context, policy)

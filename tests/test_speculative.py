@@ -600,3 +600,36 @@ def test_speculation_decodes_one_row_faster_than_plain_decoding(tmp_path):
             engine.close()
     print(f"speculative speed-up of one row, three pairs: {pairs}")
     assert max(pairs) > 1.2, pairs
+
+
+def test_a_resumed_run_continues_with_the_draft_it_had_learnt(tmp_path):
+    """The draft's weights and optimizer state are in the checkpoint: a run interrupted after step 3 and resumed
+    logs the same acceptance and draft loss at every step as the run that was not interrupted."""
+    from miles import hookimpl
+    from miles.run.runner import prepare, train
+
+    class InterruptAt:
+        def __init__(self, step):
+            self.step = step
+
+        @hookimpl
+        def miles_train_step_end(self, step, metrics):
+            if step == self.step:
+                raise KeyboardInterrupt
+
+    args = ["sft.steps=10", "run.steps=6", "run.save_every=2", "run.eval_size=0", "run.progress=false",
+            "rollout.prompts_per_step=4"]
+
+    def metrics(run_dir):
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r.get("rollout/spec_accept_rate"), r.get("rollout/spec_draft_loss")) for r in rows]
+
+    train(prepare("configs/quickstart_speculative.yaml", [*args, f"run.dir={tmp_path / 'whole'}"]))
+    with pytest.raises(KeyboardInterrupt):
+        train(prepare("configs/quickstart_speculative.yaml", [*args, f"run.dir={tmp_path / 'cut'}"],
+                      extra_plugins=[("interrupt", InterruptAt(3))]))
+    train(prepare("configs/quickstart_speculative.yaml", [*args, f"run.dir={tmp_path / 'cut'}", "run.resume=true"],
+                  extra_plugins=[("interrupt", InterruptAt(-1))]))  # the same plugin stack, never stopping
+    whole = metrics(tmp_path / "whole")
+    assert all(loss is not None for _, _, loss in whole) and len(whole) == 6
+    assert metrics(tmp_path / "cut") == whole

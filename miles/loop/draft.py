@@ -91,6 +91,15 @@ class DraftLearner:
             return None
         return self.teacher
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the draft's weights and its optimizer's state."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._learnt = None  # the next push sends the loaded weights
+
     def weights(self) -> dict[str, torch.Tensor]:
         """The draft's weights as a push carries them."""
         return {DRAFT_PREFIX + name: t.detach().clone() for name, t in self.model.state_dict().items()}

@@ -129,6 +129,9 @@ class RLPhase:
         for engine, state in zip(self.plane.local_engines, loop_state["engine_rng"]):
             engine.set_rng_state(state)
         self.transport.push(self.backend, self.plane, version=ckpt.state["weight_version"])
+        if c.draft is not None and "draft" in loop_state:  # the speculative draft as it had learnt, to the engines
+            c.draft.load_state_dict(loop_state["draft"])
+            c.draft.push(self.plane)
         self.rewards = list(ckpt.state["rewards"])
         run.summary.update(ckpt.state["summary"])
         return ckpt.step
@@ -160,7 +163,8 @@ class RLPhase:
         loop_state = {"data_position": position, "data_requeued": requeued, "rng": rng_state(),
                       # in-process engines' sampling RNGs (remote engines keep theirs; see docs/checkpoints.md)
                       "engine_rng": [engine.rng_state() for engine in self.plane.local_engines],
-                      "collector": self.c.collector.state_dict()}
+                      "collector": self.c.collector.state_dict(),
+                      **({"draft": self.c.draft.state_dict()} if self.c.draft is not None else {})}
         with phase(f"saving the checkpoint of step {steps_done}", config.run.progress):
             path = save_checkpoint(run.run_dir / "checkpoints", state, loop_state, self.backend,
                                    keep=config.run.keep_checkpoints,

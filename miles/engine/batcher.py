@@ -24,23 +24,21 @@ from transformers import DynamicCache
 from miles.engine.image_input import prefill_vision_inputs
 from miles.engine.kv_layout import left_pad, pack, past_block
 from miles.engine.prefix_cache import PrefixCache
-from miles.engine.request import Request, answer, clear_outputs, plain_answer
 from miles.engine.draft import Draft
-from miles.engine.sampling import per_position, sample_next, top_logprobs
-from miles.engine.speculative import SpeculativeConfig, accept, draft_distribution
+from miles.engine.outputs import fill_prompt_logprobs, take_tokens
+from miles.engine.request import Request, answer, clear_outputs, plain_answer
+from miles.engine.sampling import per_position, sample_next
+from miles.engine.speculative import SpeculativeConfig
+from miles.engine.speculative_step import SPEC_STATS, SpeculativeStep
 from miles.models.hf import exact_logprobs
 from miles.models.moe import moe_layout, routing
-from miles.models.sampling import scaled_logits, truncated_logits
 
 __all__ = ["ContinuousBatcher", "Request", "SPEC_STATS"]
-
-# speculative steps' counts: steps, target forwards of a row, proposals made, kept, and the tokens the rows took
-SPEC_STATS = ("spec_steps", "spec_row_forwards", "spec_proposed", "spec_accepted", "spec_tokens")
 
 _log = logging.getLogger(__name__)
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(SpeculativeStep):
     def __init__(self, model: Any, tokenizer: Any, *, context_length: int, pad_token_id: int, eos_token_id: int,
                  generator: torch.Generator, max_batch_size: int, version: Callable[[], int],
                  background: bool = True, prefix_cache_tokens: int = 0, exact_logprobs: bool = False,
@@ -322,7 +320,7 @@ class ContinuousBatcher:
                     r.routed.append(routed[u, width - len(r.prompt):].cpu())
         for r, u, p in zip(requests, of, prompt_logprobs):
             if p:  # computed whole: the prompt is the suffix
-                self._prompt_logprobs(r, logits[u, width - len(r.prompt) : width - 1].float())
+                fill_prompt_logprobs(r, logits[u, width - len(r.prompt) : width - 1].float())
         for r in requests:
             r.epoch = self._epoch
         if self.prefix_cache is not None:
@@ -408,79 +406,11 @@ class ContinuousBatcher:
         self._pending = self._sample(logits, self._rows, self._settings)
         self._retire(0)
 
-    @torch.inference_mode()
-    def _speculative_decode(self) -> None:
-        """One target forward over each row's pending token and the draft's ``k`` proposals; each row takes the
-        proposals :func:`~miles.engine.speculative.accept` keeps and the token after them (1 to k + 1 tokens). The
-        columns of the proposals it did not take stay in the caches, masked."""
-        k, batch = self.speculative.num_tokens, len(self._rows)
-        if self.draft.cache is None:
-            self.draft.build([r.prompt + r.output_ids[:-1] for r in self._rows], self._mask)
-        width = self._mask.shape[1]
-        mask = torch.cat([self._mask, torch.ones((batch, k + 1), dtype=torch.long, device=self.device)], dim=1)
-        proposals, q = self.draft.propose(self._pending, mask, k, self._settings, self.generator,
-                                          self.never_generated)
-        ids = torch.cat([self._pending.unsqueeze(1), proposals], dim=1)
-        positions = self._next_pos.unsqueeze(1) + torch.arange(k + 1, device=self.device)
-        with self._routing(self._rows) as record:
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._cache,
-                                use_cache=True).logits.float()  # [B, k + 1, V]
-        finite = torch.isfinite(logits).all(dim=-1).all(dim=-1)
-        if not bool(finite.all()):
-            logits = torch.where(finite[:, None, None], logits, torch.zeros_like(logits))
-        if self.never_generated is not None:
-            logits = logits.index_fill(2, self.never_generated, float("-inf"))
-        settings = tuple(t.unsqueeze(1).expand(-1, k + 1) for t in self._settings)
-        kept, after = accept(draft_distribution(logits, *settings), q, proposals, self.generator)
-        tokens = torch.cat([proposals, proposals[:, :1]], dim=1).scatter(1, kept.unsqueeze(1), after.unsqueeze(1))
-        reported = logits if self.logprobs_of == "model" else scaled_logits(logits, settings[0])
-        if self.logprobs_of == "truncated":
-            reported = truncated_logits(reported, *settings)
-        taken = self._append(self._rows, tokens, reported, finite, kept + 1)
-        taken_t = torch.tensor(taken, device=self.device)
-        if record is not None:
-            routed = record.routed(batch).cpu()
-            for r, ids_, n in zip(self._rows, routed, taken):
-                if r.return_routed_experts and n:
-                    r.routed.append(ids_[:n])
-        mask[:, width:] = (torch.arange(k + 1, device=self.device) < taken_t.unsqueeze(1)).long()
-        self._mask = mask
-        self._next_pos = self._next_pos + taken_t
-        self._pending = tokens.gather(1, (taken_t - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        self.stats["decode_steps"] += 1
-        self.stats["spec_steps"] += 1
-        self.stats["spec_row_forwards"] += batch
-        # a proposal counts where the row could use it: not after its stop token or its last token
-        considered = [k if r.finish is None else min(k, n) for r, n in zip(self._rows, taken)]
-        self.stats["spec_proposed"] += sum(considered)
-        self.stats["spec_accepted"] += sum(min(int(n), c) for n, c in zip(kept.tolist(), considered))
-        self.stats["spec_tokens"] += sum(taken)
-        self._pack_holes(k)
-        self._retire(0)
-
-    def _pack_holes(self, k: int) -> None:
-        """Pack both caches once the masked columns of refused proposals exceed a few steps' worth."""
-        span = int(self._mask.sum(dim=1).max())
-        if self._mask.shape[1] - span > 4 * (k + 1):
-            self.draft.pack(self._mask, span)
-            self._mask = pack(self._cache, self._mask, list(range(len(self._rows))), span)
-
     def _routing(self, rows: list[Request]) -> Any:
         """Record the routers' choices in this forward pass when a row asks for them."""
         if self.moe is None or not any(r.return_routed_experts for r in rows):
             return contextlib.nullcontext()
         return routing(self.model, layout=self.moe)
-
-    def _prompt_logprobs(self, r: Request, logits: torch.Tensor) -> None:
-        """Log-probs of the prompt's tokens from ``logprob_start_len`` (``logits``: [L - 1, V], the predictions of
-        tokens 1..L-1); the first token has none."""
-        logprobs = logits.log_softmax(dim=-1)
-        targets = torch.tensor(r.prompt[1:], dtype=torch.long, device=logits.device)
-        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-        top = top_logprobs(logprobs, r.top_logprobs_num) if r.top_logprobs_num else [None] * len(chosen)
-        start = r.logprob_start_len
-        r.input_logprobs = ([None] + chosen)[start:]
-        r.input_top = ([None] + top)[start:] if r.top_logprobs_num else []
 
     def _sample(self, logits: torch.Tensor, rows: list[Request], settings: tuple[torch.Tensor, ...]) -> torch.Tensor:
         finite = torch.isfinite(logits).all(dim=-1)  # [B]; broken weights fail their rows, not the whole batch
@@ -491,47 +421,9 @@ class ContinuousBatcher:
         temperature, top_p, top_k = settings
         tokens, scaled, drawn = sample_next(logits, temperature, top_p, top_k, self.generator)
         reported = {"sampling": scaled, "truncated": drawn, "model": logits}[self.logprobs_of]
-        self._append(rows, tokens.unsqueeze(1), reported.unsqueeze(1), finite, torch.ones_like(tokens))
+        # the caller holds step_lock: no update lands in this step
+        take_tokens(rows, tokens.unsqueeze(1), reported.unsqueeze(1), finite, torch.ones_like(tokens), self.version())
         return tokens
-
-    def _append(self, rows: list[Request], tokens: torch.Tensor, reported: torch.Tensor, finite: torch.Tensor,
-                upto: torch.Tensor) -> list[int]:
-        """Give each row its first ``upto`` [B] of ``tokens`` [B, J], with their log-probs under ``reported``
-        [B, J, V] (the logits of the distribution ``logprobs_of`` names), until it stops or reaches its budget;
-        a row whose logits were not ``finite`` [B] is aborted. Returns the tokens each row took."""
-        batch, width = tokens.shape
-        all_logprobs = reported.log_softmax(-1)
-        logprobs = all_logprobs.gather(2, tokens.unsqueeze(2)).squeeze(2).tolist()
-        k = max((r.top_logprobs_num for r in rows if r.return_logprob), default=0)
-        top = top_logprobs(all_logprobs.flatten(0, 1), k) if k else None
-        entropy = (torch.special.entr(all_logprobs.exp()).sum(dim=-1).tolist()
-                   if any(r.return_entropy for r in rows) else None)
-        version = self.version()  # the caller holds step_lock: no update lands in this step
-        taken = []
-        for i, (r, ids, ok, n) in enumerate(zip(rows, tokens.tolist(), finite.tolist(), upto.tolist())):
-            taken.append(0)
-            if not ok:
-                r.finish = {"type": "abort", "message": NON_FINITE}
-                continue
-            if r.budget <= 0:  # max_new_tokens 0: the prompt's log-probs only, as SGLang
-                r.finish = {"type": "length", "length": 0}
-                continue
-            for j, token in enumerate(ids[:n]):
-                r.output_ids.append(token)
-                r.output_versions.append(version)
-                r.output_logprobs.append(logprobs[i][j])
-                if top is not None and r.return_logprob and r.top_logprobs_num:
-                    r.output_top.append(top[i * width + j][: r.top_logprobs_num])
-                if entropy is not None and r.return_entropy:
-                    r.output_entropy.append(entropy[i][j])
-                taken[-1] += 1
-                if token in r.stop_ids:
-                    r.finish = {"type": "stop", "matched": token}
-                elif len(r.output_ids) >= r.budget:
-                    r.finish = {"type": "length", "length": len(r.output_ids)}
-                if r.finish is not None:
-                    break
-        return taken
 
     def _retire(self, first: int) -> None:
         """Deliver rows (from index ``first``) that finished, and drop them from the batch."""
@@ -590,5 +482,3 @@ class ContinuousBatcher:
             text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
         return answer(r, text, self.version(), self.moe.width if self.moe is not None else None, meta)
 
-
-NON_FINITE = "the model produced non-finite logits (NaN or inf): check the weights"

@@ -1,17 +1,69 @@
-"""The draft model of speculative sampling (:mod:`miles.engine.speculative`) as the running batch holds it: its own
-K/V cache, in the target's column layout, built when speculation starts and kept in step with the batch."""
+"""The draft model of speculative sampling (:mod:`miles.engine.speculative`): loaded or built for a target, its
+pushed weights checked and loaded, and as the running batch holds it (:class:`Draft`): its own K/V cache, in the
+target's column layout, built when speculation starts and kept in step with the batch."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
+from miles.engine import weight_checks
 from miles.engine.kv_layout import pack
-from miles.engine.speculative import draft_distribution
+from miles.engine.speculative import SpeculativeConfig, check_draft, draft_config, draft_distribution, pays
+from miles.models import hf
 
-__all__ = ["Draft"]
+__all__ = ["Draft", "load_draft", "check_draft_weights", "load_draft_weights"]
+
+_log = logging.getLogger(__name__)
+
+
+def load_draft(speculative: SpeculativeConfig, model: Any, model_path: str, tokenizer: Any, seed: int,
+               device: torch.device) -> tuple[Any, bool]:
+    """The draft of ``speculative`` for the target ``model``: loaded from its directory (the target's tokenizer and
+    vocabulary, else a ValueError), or built at random (``seed``) as the target's architecture with smaller sizes;
+    and whether decode steps speculate with it (it can pay, or ``speculative.force``)."""
+    spec = speculative.draft
+    check_draft(speculative, model_path, model.config, tokenizer.get_vocab())
+    dtype = next(model.parameters()).dtype
+    if "path" in spec:
+        draft = hf.load_model(spec["path"], dtype=dtype)
+    else:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            draft = hf.causal_lm_from_config(draft_config(model.config, spec["build"]), dtype=dtype)
+    draft = draft.to(device).eval()
+    draft.requires_grad_(False)
+    target_params = sum(p.numel() for p in model.parameters())
+    draft_params = sum(p.numel() for p in draft.parameters())
+    can_pay, speedup = pays(target_params, draft_params, speculative.num_tokens)
+    if not (can_pay or speculative.force):  # the draft is still held: its pushed weights load, for when it is on
+        _log.warning("speculative decoding is off: a draft of %d parameters for a target of %d cannot pay "
+                     "(estimated %.2fx at 70%% acceptance: each forward's fixed cost dominates); set "
+                     "speculative.force: true to speculate anyway", draft_params, target_params, speedup)
+    return draft, can_pay or speculative.force
+
+
+def check_draft_weights(draft: Any, weights: dict[str, torch.Tensor], allow_non_finite: bool) -> None:
+    """Pushed draft weights (all of them) are checked as the target's are; a ValueError applies nothing."""
+    if draft is None:
+        raise ValueError("weight update refused, nothing was applied: it holds draft weights (draft.*) and "
+                         "this engine has no draft (rollout.engine.speculative)")
+    if problems := weight_checks.weight_problems(draft.state_dict(), weights, allow_non_finite):
+        raise ValueError(f"weight update refused, nothing was applied: the draft's: {'; '.join(problems)}")
+
+
+def load_draft_weights(draft: Any, weights: dict[str, torch.Tensor], held: Draft | None) -> None:
+    """Copy checked ``weights`` into ``draft`` (the caller holds the step lock); the batch's ``held`` draft drops
+    the K/V of the old weights."""
+    current = draft.state_dict()
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            current[name].copy_(tensor)
+    if held is not None:
+        held.reset()
 
 
 class Draft:

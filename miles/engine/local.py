@@ -10,7 +10,6 @@ next turn of a trajectory) skip their prefill; weight updates, a new model and `
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import uuid
 from collections.abc import Callable
@@ -32,11 +31,10 @@ torch = lazy_module("torch")
 linear = lazy_module("miles.precision.linear")  # its layers subclass torch's: imported when a scheme is used
 # imported when first used: `miles config` reads LocalEngine's arguments without torch or transformers
 batcher = lazy_module("miles.engine.batcher")
+drafts = lazy_module("miles.engine.draft")
 hf = lazy_module("miles.models.hf")
 
 __all__ = ["LocalEngine", "MEMORY_TAGS"]
-
-_log = logging.getLogger(__name__)
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names; the CPU engine has no CUDA graphs (no-op)
 
@@ -129,7 +127,8 @@ class LocalEngine:
         self.image_cache = ImageCache(self.image_processor) if self.image_processor is not None else None
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if self.speculative is not None:
-            self.draft = self._load_draft(device)
+            self.draft, self.speculating = drafts.load_draft(self.speculative, self.model, self.model_path,
+                                                             self.tokenizer, self.seed, device)
         if self.batcher is not None:
             self.batcher.close()
         self.batcher = batcher.ContinuousBatcher(
@@ -142,32 +141,6 @@ class LocalEngine:
         )
         if self.vision is not None:
             self.batcher.never_generated = torch.tensor(self.vision.never_generated, device=device)
-
-    def _load_draft(self, device: torch.device) -> Any:
-        """The draft of ``speculative``: loaded from its directory (the target's tokenizer and vocabulary, else a
-        ValueError), or built at random as the target's architecture with smaller sizes."""
-        spec = self.speculative.draft
-        speculative_config.check_draft(self.speculative, self.model_path, self.model.config,
-                                       self.tokenizer.get_vocab())
-        dtype = next(self.model.parameters()).dtype
-        if "path" in spec:
-            draft = hf.load_model(spec["path"], dtype=dtype)
-        else:
-            config = speculative_config.draft_config(self.model.config, spec["build"])
-            with torch.random.fork_rng():
-                torch.manual_seed(self.seed)
-                draft = hf.causal_lm_from_config(config, dtype=dtype)
-        draft = draft.to(device).eval()
-        draft.requires_grad_(False)
-        target_params = sum(p.numel() for p in self.model.parameters())
-        draft_params = sum(p.numel() for p in draft.parameters())
-        pays, speedup = speculative_config.pays(target_params, draft_params, self.speculative.num_tokens)
-        self.speculating = pays or self.speculative.force
-        if not self.speculating:  # the draft is still held: its pushed weights load, for when it is switched on
-            _log.warning("speculative decoding is off: a draft of %d parameters for a target of %d cannot pay "
-                         "(estimated %.2fx at 70%% acceptance: each forward's fixed cost dominates); set "
-                         "speculative.force: true to speculate anyway", draft_params, target_params, speedup)
-        return draft
 
     def close(self) -> None:
         if self.batcher is not None:
@@ -192,10 +165,11 @@ class LocalEngine:
         if any(name.startswith(prefix) for name in state_dict):  # the draft's weights, pushed with the policy's
             draft = {name[len(prefix):]: t for name, t in state_dict.items() if name.startswith(prefix)}
             state_dict = {name: t for name, t in state_dict.items() if not name.startswith(prefix)}
-            self._check_draft(draft, allow_non_finite)
+            drafts.check_draft_weights(self.draft, draft, allow_non_finite)
             version = self._update_target(state_dict, weight_version, allow_non_finite) if state_dict \
                 else self.weight_version
-            self._load_draft_weights(draft)  # once the policy's part has loaded (or raised: nothing applied)
+            with self.batcher.step_lock:  # once the policy's part has loaded (or raised: nothing applied)
+                drafts.load_draft_weights(self.draft, draft, self.batcher.draft)
             return version
         return self._update_target(state_dict, weight_version, allow_non_finite)
 
@@ -216,23 +190,6 @@ class LocalEngine:
             self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
             self.weights_stale = False
         return self.weight_version
-
-    def _check_draft(self, weights: dict[str, torch.Tensor], allow_non_finite: bool) -> None:
-        """Draft weights (all of them) are checked as the target's are; a ValueError applies nothing."""
-        if self.draft is None:
-            raise ValueError("weight update refused, nothing was applied: it holds draft weights (draft.*) and "
-                             "this engine has no draft (rollout.engine.speculative)")
-        if problems := weight_checks.weight_problems(self.draft.state_dict(), weights, allow_non_finite):
-            raise ValueError(f"weight update refused, nothing was applied: the draft's: {'; '.join(problems)}")
-
-    def _load_draft_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """The draft's new weights; the version stays the policy's."""
-        current = self.draft.state_dict()
-        with self.batcher.step_lock, torch.no_grad():
-            for name, tensor in weights.items():
-                current[name].copy_(tensor)
-            if self.batcher.draft is not None:
-                self.batcher.draft.reset()  # K/V of the old draft
 
     def update_weight_blocks(self, blocks: list[tuple[str, int, torch.Tensor]], weight_version: int,
                              check: Callable[[dict[str, torch.Tensor], int], None],

@@ -13,6 +13,7 @@ import random
 import re
 import shlex
 import tempfile
+import threading
 
 import pytest
 
@@ -289,3 +290,56 @@ def test_dev_and_the_root_are_read_only(warm: bool) -> None:
 
     result = asyncio.run(main())
     assert (result.stdout, result.exit_code) == ("3\nx\nTrue\n", 0), result
+
+
+def test_a_measurement_of_an_earlier_call_never_stops_the_next(monkeypatch) -> None:
+    """The disk watch measures while a warm call runs; a measurement that started during one call and ends during the
+    next (a file being written can hold more blocks than once written) judges the calls it saw, not the next one:
+    the next call's interpreter is never killed for it. The measurement is held on a gate, not timed."""
+    monkeypatch.setattr(sandboxes, "DISK_CHECK_S", 3600.0)  # only the measurement the test makes runs mid-call
+    real_disk_use = sandboxes.storage.disk_use
+    armed, measuring, release = [False], threading.Event(), threading.Event()
+
+    def disk_use(root: str) -> int:
+        if not armed[0]:
+            return real_disk_use(root)
+        armed[0] = False
+        measuring.set()
+        release.wait(60)
+        return 50 << 20  # more than disk_mb, and more than any baseline
+
+    monkeypatch.setattr(sandboxes.storage, "disk_use", disk_use)
+
+    async def registered(sandbox: LocalSandbox, count: int) -> None:
+        while len(sandbox._runs) < count:
+            await asyncio.sleep(0.01)
+
+    async def main():
+        with tempfile.TemporaryDirectory() as root:
+            os.chmod(root, 0o711)
+            sandbox = LocalSandbox(isolation="bwrap", warm=True, disk_mb=10, workspace_root=root)
+            try:
+                await sandbox.start()
+                work = os.path.join(sandbox._root, "work")
+                first = asyncio.ensure_future(sandbox.run("while [ ! -e go ]; do sleep 0.01; done; echo one",
+                                                          timeout_s=60))
+                await registered(sandbox, 1)
+                armed[0] = True
+                stale = asyncio.ensure_future(sandbox._check_disk())
+                await asyncio.to_thread(measuring.wait, 60)
+                open(os.path.join(work, "go"), "w").close()
+                one = await first
+                second = asyncio.ensure_future(sandbox.run("while [ ! -e go2 ]; do sleep 0.01; done; echo two",
+                                                           timeout_s=60))
+                await registered(sandbox, 1)
+                release.set()
+                await stale
+                open(os.path.join(work, "go2"), "w").close()
+                return one, await second
+            finally:
+                release.set()
+                await sandbox.close()
+
+    one, two = asyncio.run(main())
+    assert (one.stdout, one.exit_code) == ("one\n", 0), one
+    assert (two.stdout, two.stderr, two.exit_code) == ("two\n", "", 0), two

@@ -111,7 +111,7 @@ class RolloutPlane:
     def prefill_counts(self) -> tuple[int, ...]:
         """The engines' counts of :data:`ENGINE_COUNTS`, summed over the engines since each started: prompt tokens
         they admitted and those they ran through the model (the difference came from their prefix caches), then
-        their speculative steps' (:data:`miles.engine.batcher.SPEC_STATS`). Remote engines report theirs in
+        their speculative steps' (:data:`miles.engine.speculative_step.SPEC_STATS`). Remote engines report theirs in
         ``/server_info``; one that does not answer (or reports none) counts 0 this time."""
         return self.prefill_counts_soon()()
 

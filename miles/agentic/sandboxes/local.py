@@ -448,9 +448,14 @@ class LocalSandbox:
         holds now."""
         if self._root is None:
             return
-        used = self._disk_used = await asyncio.to_thread(storage.disk_use, self._root)
-        for run in list(self._runs):
-            if used > max(self._disk_bytes, run.baseline) and run.over_quota is None:
+        # judged by this measurement: the runs it saw from its start to its end (not one that started meanwhile,
+        # from a baseline measured later, nor one that ended: a warm call's interpreter serves the next)
+        runs, kept = list(self._runs), self._disk_used
+        used = await asyncio.to_thread(storage.disk_use, self._root)
+        if self._disk_used == kept:  # else a measurement (or a write) since it started holds the newer figure
+            self._disk_used = used
+        for run in runs:
+            if run in self._runs and used > max(self._disk_bytes, run.baseline) and run.over_quota is None:
                 run.over_quota = used
                 run.stop()
 

@@ -27,7 +27,7 @@ from miles.engine.prefix_cache import PrefixCache
 from miles.engine.draft import Draft
 from miles.engine.outputs import fill_prompt_logprobs, take_tokens
 from miles.engine.request import Request, answer, clear_outputs, plain_answer
-from miles.engine.sampling import per_position, sample_next
+from miles.engine.sampling import RowSampling, per_position, sample_next
 from miles.engine.speculative import SpeculativeConfig
 from miles.engine.speculative_step import SPEC_STATS, SpeculativeStep
 from miles.models.hf import exact_logprobs
@@ -68,6 +68,7 @@ class ContinuousBatcher(SpeculativeStep):
         self._cond = threading.Condition()
         self._queue: list[Request] = []
         self._admitting: list[Request] = []  # taken off the queue, not yet rows: an abort must still reach them
+        self._abort_pending = False  # a request was aborted since the worker last looked: it looks (not every step)
         self._paused = False
         self._closed = False
         self._rows: list[Request] = []
@@ -77,6 +78,7 @@ class ContinuousBatcher(SpeculativeStep):
         self._next_pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self._pending = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] sampled, not yet fed
         self._settings = self._settings_of([])  # [B] each: temperature, top_p, top_k of each row
+        self._row_sampling: tuple[tuple[torch.Tensor, ...], RowSampling] | None = None  # of the settings it names
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._run, name="miles-engine", daemon=True)
@@ -99,6 +101,7 @@ class ContinuousBatcher(SpeculativeStep):
             hits = [r for r in pending.values() if rid is None or r.rid == rid]
             for r in hits:
                 r.aborted = True
+            self._abort_pending = self._abort_pending or bool(hits)
             self._cond.notify()
         return len(hits)
 
@@ -106,6 +109,7 @@ class ContinuousBatcher(SpeculativeStep):
         """Abort ``request`` itself (its caller went away), wherever it is: queued, being admitted or running."""
         with self._cond:
             request.aborted = True
+            self._abort_pending = True
             self._cond.notify()
 
     def pause(self) -> None:
@@ -146,7 +150,7 @@ class ContinuousBatcher(SpeculativeStep):
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._closed or self._has_aborted() or (not self._paused and (self._queue or self._rows))):
+                while not (self._closed or self._abort_pending or (not self._paused and (self._queue or self._rows))):
                     self._cond.wait()
                 if self._closed:
                     return
@@ -157,14 +161,17 @@ class ContinuousBatcher(SpeculativeStep):
         request only (see :meth:`_admit_each` and :meth:`_retire`); what is left is the running batch's own
         forward pass, whose failure fails the rows in flight: the engine serves on."""
         with self._cond:
-            self._queue = [r for r in self._queue if not self._finish_if_aborted(r)]
+            aborts, self._abort_pending = self._abort_pending, False  # one set later is seen by the next iteration
+            if aborts:
+                self._queue = [r for r in self._queue if not self._finish_if_aborted(r)]
             room = 0 if self._paused else max(0, self.max_batch_size - len(self._rows))
             admitted, self._queue = self._queue[:room], self._queue[room:]
             self._admitting = admitted
             paused = self._paused
         with self.step_lock:
             try:
-                self._retire_aborted()
+                if aborts:
+                    self._retire_aborted()
                 admitted = [r for r in admitted if not self._finish_if_aborted(r)]  # aborted on the way
                 if admitted:
                     self._admit_each(admitted)
@@ -217,9 +224,6 @@ class ContinuousBatcher(SpeculativeStep):
             r.deliver(reply)
         except Exception:  # the caller's own callback: nothing more to tell it
             _log.exception("delivering the answer of request %s failed", r.rid)
-
-    def _has_aborted(self) -> bool:
-        return any(r.aborted and r.finish is None for r in self._queue + self._rows)
 
     def _finish_if_aborted(self, r: Request) -> bool:
         if r.aborted and r.finish is None:
@@ -413,16 +417,18 @@ class ContinuousBatcher(SpeculativeStep):
         return routing(self.model, layout=self.moe)
 
     def _sample(self, logits: torch.Tensor, rows: list[Request], settings: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        finite = torch.isfinite(logits).all(dim=-1)  # [B]; broken weights fail their rows, not the whole batch
-        if not bool(finite.all()):
+        finite = None  # every row's logits are finite (one check of the whole batch, the common case)
+        if not bool(torch.isfinite(logits).all()):  # broken weights fail their rows, not the whole batch
+            finite = torch.isfinite(logits).all(dim=-1)
             logits = torch.where(finite.unsqueeze(1), logits, torch.zeros_like(logits))
         if self.never_generated is not None:  # a vision-language model's image tokens (miles.models.vision)
             logits = logits.index_fill(1, self.never_generated, float("-inf"))
-        temperature, top_p, top_k = settings
-        tokens, scaled, drawn = sample_next(logits, temperature, top_p, top_k, self.generator)
+        if self._row_sampling is None or self._row_sampling[0] is not settings:  # rows admitted or retired
+            self._row_sampling = (settings, RowSampling.of(*settings))
+        tokens, scaled, drawn = sample_next(logits, self._row_sampling[1], self.generator)
         reported = {"sampling": scaled, "truncated": drawn, "model": logits}[self.logprobs_of]
         # the caller holds step_lock: no update lands in this step
-        take_tokens(rows, tokens.unsqueeze(1), reported.unsqueeze(1), finite, torch.ones_like(tokens), self.version())
+        take_tokens(rows, tokens.unsqueeze(1), reported.unsqueeze(1), finite, None, self.version())
         return tokens
 
     def _retire(self, first: int) -> None:

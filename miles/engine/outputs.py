@@ -13,12 +13,12 @@ __all__ = ["take_tokens", "fill_prompt_logprobs", "NON_FINITE"]
 NON_FINITE = "the model produced non-finite logits (NaN or inf): check the weights"
 
 
-def take_tokens(rows: list[Request], tokens: torch.Tensor, reported: torch.Tensor, finite: torch.Tensor,
-                upto: torch.Tensor, version: int) -> list[int]:
-    """Give each row its first ``upto`` [B] of ``tokens`` [B, J], with their log-probs under ``reported`` [B, J, V]
-    (the logits of the distribution ``logprobs_of`` names) and the weight ``version`` that sampled them, until it
-    stops or reaches its budget; a row whose logits were not ``finite`` [B] is aborted. Returns the tokens each
-    row took."""
+def take_tokens(rows: list[Request], tokens: torch.Tensor, reported: torch.Tensor, finite: torch.Tensor | None,
+                upto: torch.Tensor | None, version: int) -> list[int]:
+    """Give each row its first ``upto`` [B] (None: all) of ``tokens`` [B, J], with their log-probs under
+    ``reported`` [B, J, V] (the logits of the distribution ``logprobs_of`` names) and the weight ``version`` that
+    sampled them, until it stops or reaches its budget; a row whose logits were not ``finite`` [B] (None: all were)
+    is aborted. Returns the tokens each row took."""
     batch, width = tokens.shape
     all_logprobs = reported.log_softmax(-1)
     logprobs = all_logprobs.gather(2, tokens.unsqueeze(2)).squeeze(2).tolist()
@@ -27,7 +27,9 @@ def take_tokens(rows: list[Request], tokens: torch.Tensor, reported: torch.Tenso
     entropy = (torch.special.entr(all_logprobs.exp()).sum(dim=-1).tolist()
                if any(r.return_entropy for r in rows) else None)
     taken = []
-    for i, (r, ids, ok, n) in enumerate(zip(rows, tokens.tolist(), finite.tolist(), upto.tolist())):
+    counts = [width] * batch if upto is None else upto.tolist()
+    oks = [True] * batch if finite is None else finite.tolist()
+    for i, (r, ids, ok, n) in enumerate(zip(rows, tokens.tolist(), oks, counts)):
         taken.append(0)
         if not ok:
             r.finish = {"type": "abort", "message": NON_FINITE}

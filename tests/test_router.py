@@ -453,6 +453,31 @@ def test_engine_killed_during_its_catch_up_stays_out_and_is_caught_up_later(rig)
     assert r.router.stats["engine_failures"] == 2 and r.router.stats["readmissions"] == 1
 
 
+def test_an_engine_that_joins_a_running_fleet_serves_only_once_caught_up(rig, tiny_model_dir):
+    """Router.add_engine (an elastic fleet): the new engine is held in its catch-up while requests are served by
+    the others at the fleet's version; released, it serves at that version."""
+    r = rig()
+    r.plane.run(r.router.wait_healthy())
+    r.push()
+    r.push()
+    port = free_port()
+    r.procs.append(serving(spawn_gated_engine(tiny_model_dir, port, "/update_weights_from_tensor")))
+    joined = r.plane.run(_add(r.router, f"http://127.0.0.1:{port}"))
+    assert joined.quarantined
+    r.procs[-1].stdout.readline()  # held in its catch-up
+    assert {a["meta_info"]["weight_version"] for a in r.generate(16)} == {2} and joined.served == 0
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/test_release", data=b""), timeout=10)
+    r.wait_until(lambda: not joined.quarantined)
+    assert joined.weight_version == 2
+    assert {a["meta_info"]["weight_version"] for a in r.generate(16)} == {2} and joined.served > 0
+    r.push()
+    assert [e.weight_version for e in r.router.engines] == [3, 3, 3]
+
+
+async def _add(router, url):
+    return router.add_engine(url)
+
+
 def test_a_push_that_lands_during_a_catch_up_reaches_the_engine(rig):
     r = rig()
     r.plane.run(r.router.wait_healthy())

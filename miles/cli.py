@@ -278,6 +278,15 @@ def _cmd_sandbox_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_fleet(args: argparse.Namespace) -> int:
+    """Ask a running run for a number of engines; it joins or drains engines before its next step."""
+    from miles.engine.ray_fleet import request_engines
+
+    path = request_engines(args.run_dir, args.engines)
+    print(f"wrote {path}: the run scales to {args.engines} engine(s) before its next step (engines on Ray only)")
+    return 0
+
+
 def _cmd_new(args: argparse.Namespace) -> int:
     """A plugin package to start from: pyproject with the entry point, the plugin module, its tests, a README."""
     from miles.scaffold import new_plugin
@@ -392,6 +401,11 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("--run", default=None, help="only this run's (the id the run printed at start, miles-run=...); "
                                                 "default: every sandbox tagged by any Miles run")
     gc.set_defaults(func=_cmd_sandbox_gc)
+
+    fleet = sub.add_parser("fleet", help="grow or shrink a running run's engines (rollout.engine.num_engines >= 1)")
+    fleet.add_argument("run_dir", help="the run's directory (run.dir)")
+    fleet.add_argument("--engines", type=int, required=True, help="the number of engines wanted")
+    fleet.set_defaults(func=_cmd_fleet)
 
     chat = sub.add_parser("chat-format", help="chat formats: how each model family talks in multi-turn rollouts")
     chat_sub = chat.add_subparsers(dest="chat_command", required=True)

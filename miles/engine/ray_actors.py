@@ -20,7 +20,7 @@ from miles.cluster import dead_node, describe_capacity, describe_nodes
 from miles.errors import RunError
 from miles.engine.router import EngineGone, Router
 
-__all__ = ["EngineActor", "launch_engines", "shutdown_engines"]
+__all__ = ["EngineActor", "engine_meta", "launch_engines", "resolver", "shutdown_engines", "start_actors"]
 
 log = logging.getLogger(__name__)
 
@@ -80,21 +80,51 @@ class EngineActor:
 
 def launch_engines(ray: Any, count: int, model_path: str, launcher: Any, *, cpus_per_engine: float,
                    multi_node: bool, startup_timeout_s: float, router_args: dict[str, Any],
-                   resources: dict[str, float] | None = None) -> tuple[Router, list[Any], Any]:
-    """Start ``count`` engine actors in a placement group; returns the router, the actors, the group.
+                   resources: dict[str, float] | None = None) -> tuple[Router, list[Any], Any, Any]:
+    """Start ``count`` engine actors in a placement group; returns the router, the actors, the group, and how to
+    start more (``start(count)``: :class:`miles.engine.ray_fleet.RayFleet`).
     Each reserves ``cpus_per_engine`` CPUs and the custom ``resources`` (placing it on the nodes that have them)."""
+    host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
+    token = secrets.token_hex(16) if multi_node else ""
+
+    def start(n: int, placement_timeout_s: float | None = None) -> tuple[list[str], list[Any], list[str], Any,
+                                                                        dict[str, float]]:
+        return start_actors(ray, n, model_path, launcher, host=host, token=token, cpus_per_engine=cpus_per_engine,
+                            startup_timeout_s=startup_timeout_s, resources=resources,
+                            placement_timeout_s=placement_timeout_s)
+
+    urls, actors, nodes, group, bundle = start(count)
+    router = Router(urls, admin_token=token, **router_args)
+    print(f"rollout.engine: {count} engine(s) on Ray node(s) {describe_nodes(ray, nodes)}", file=sys.stderr)
+    for endpoint, actor, node in zip(router.engines, actors, nodes):
+        endpoint.meta.update(actor=actor, node=node, **engine_meta(launcher))
+        endpoint.resolve = resolver(ray, router, endpoint, bundle)
+    return router, actors, group, start
+
+
+def engine_meta(launcher: Any) -> dict[str, Any]:
+    """What the weight transports may send an engine of ``launcher`` (miles-sglang: no safetensors tensors, tp ranks
+    per engine)."""
+    return {"protocol": getattr(launcher, "protocol", "miles"), "tp_size": getattr(launcher, "tp_size", 1)}
+
+
+def start_actors(ray: Any, count: int, model_path: str, launcher: Any, *, host: str, token: str,
+                 cpus_per_engine: float, startup_timeout_s: float, resources: dict[str, float] | None,
+                 placement_timeout_s: float | None = None) -> tuple[list[str], list[Any], list[str], Any,
+                                                                     dict[str, float]]:
+    """``count`` engine actors in a placement group of their own, serving: their URLs, actors, Ray nodes, the
+    group, and one engine's bundle. The group waits ``placement_timeout_s`` for room (default: the start-up's)."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
-    token = secrets.token_hex(16) if multi_node else ""
     resources = dict(resources or {})
     gpus = float(getattr(launcher, "gpus", 0.0))  # an SGLang server: its tensor-parallel size
     bundle = {"CPU": cpus_per_engine, **({"GPU": gpus} if gpus else {}), **resources}
     group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK")
-    if not group.wait(startup_timeout_s):
+    placement_timeout_s = startup_timeout_s if placement_timeout_s is None else placement_timeout_s
+    if not group.wait(placement_timeout_s):
         remove_placement_group(group)
-        raise RunError(f"could not place {count} engine(s) of {bundle} each within {startup_timeout_s} s "
+        raise RunError(f"could not place {count} engine(s) of {bundle} each within {placement_timeout_s:g} s "
                        f"(cluster.cpus_per_engine, cluster.engine_resources); {describe_capacity(ray, bundle)}")
     remote = ray.remote(EngineActor)
     actors = [
@@ -112,18 +142,11 @@ def launch_engines(ray: Any, count: int, model_path: str, launcher: Any, *, cpus
         remove_placement_group(group)
         raise RunError(f"engines did not start within {startup_timeout_s} s (cluster.engine_startup_timeout_s): "
                        f"{type(exc).__name__}: {exc}") from exc
-    router = Router(urls, admin_token=token, **router_args)
     nodes = ray.get([a.node_id.remote() for a in actors])
-    print(f"rollout.engine: {count} engine(s) on Ray node(s) {describe_nodes(ray, nodes)}", file=sys.stderr)
-    for endpoint, actor, node in zip(router.engines, actors, nodes):
-        endpoint.meta.update(actor=actor, node=node)
-        # what the weight transports may send it (miles-sglang: no safetensors tensors, tp ranks per engine)
-        endpoint.meta.update(protocol=getattr(launcher, "protocol", "miles"), tp_size=getattr(launcher, "tp_size", 1))
-        endpoint.resolve = _resolver(ray, router, endpoint, bundle)
-    return router, actors, group
+    return urls, actors, nodes, group, bundle
 
 
-def _resolver(ray: Any, router: Router, endpoint: Any, bundle: dict[str, float]):
+def resolver(ray: Any, router: Router, endpoint: Any, bundle: dict[str, float]):
     """The engine's address, from its actor: a restarted actor answers with its new one. An engine whose
     Ray node died is reported once, naming the node: while it waits to be re-placed where there is room
     (with what each live node has), or, when Ray re-placed it before it was looked up, with its new node."""

@@ -74,7 +74,8 @@ def rollout_plane(p: Any, model_path: str, transport: Any, ray_cluster: Callable
         closing.callback(plane.close)
         return plane
 
-    from miles.engine.ray_actors import launch_engines, shutdown_engines
+    from miles.engine.ray_actors import engine_meta, launch_engines, shutdown_engines
+    from miles.engine.ray_fleet import RayFleet
 
     cluster_cfg = p.config.cluster
     cluster = ray_cluster()
@@ -85,7 +86,7 @@ def rollout_plane(p: Any, model_path: str, transport: Any, ray_cluster: Callable
     if (p.config.rollout.return_routed_experts and isinstance(launcher, RoutedExpertsLauncher)
             and launcher.enable_return_routed_experts is None):
         launcher.enable_return_routed_experts = True  # SGLang returns expert ids only when started with its flag
-    router, actors, group = launch_engines(
+    router, actors, group, start_more = launch_engines(
         cluster.ray, num_engines, model_path, launcher, cpus_per_engine=cluster_cfg.cpus_per_engine,
         multi_node=cluster.multi_node, startup_timeout_s=cluster_cfg.engine_startup_timeout_s,
         router_args=OmegaConf.to_container(cluster_cfg.router),
@@ -97,9 +98,11 @@ def rollout_plane(p: Any, model_path: str, transport: Any, ray_cluster: Callable
         transport.use_disk()  # auto: SGLang servers take checkpoints on disk (or a broadcast: distributed)
     plane = RolloutPlane(router=router)
     closing.callback(plane.close)
-    # A restarted engine gets the current weights before it serves again.
+    # A restarted engine gets the current weights before it serves again (and so does one that joins).
     router.on_readmit = lambda endpoint: transport.catch_up(plane, endpoint)
     plane.run(router.wait_healthy(timeout_s=cluster_cfg.engine_startup_timeout_s))
+    plane.fleet = RayFleet(cluster.ray, router, plane, start_more, engine_meta(launcher))  # miles fleet RUN_DIR
+    closing.callback(plane.fleet.close)
     return plane
 
 

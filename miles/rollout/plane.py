@@ -62,6 +62,7 @@ class RolloutPlane:
         (the one_step_off and async schedules)."""
         self.local_engines = list(local_engines)
         self.router = router
+        self.fleet: Any = None  # engines on Ray: a miles.engine.ray_fleet.RayFleet, which grows and shrinks
         self.aio: EventLoopThread | None = None  # the router's session and health checks live on it
         if router is not None or threaded:
             self.aio = EventLoopThread()

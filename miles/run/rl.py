@@ -225,6 +225,8 @@ class RLPhase:
         run, config = self.run, self.run.p.config
         run_cfg = config.run
         step_start = time.perf_counter()
+        if self.plane.fleet is not None:  # `miles fleet RUN_DIR --engines N`, between two steps
+            self.plane.fleet.follow(run.run_dir)
         metrics = self.schedule.step(step)
         run.timed("rl", step_start)
         every = run_cfg.eval_every if run_cfg.eval_every is not None else run_cfg.steps // 5

@@ -397,9 +397,9 @@ def test_server_killed_restarts_its_actor_and_is_caught_up(ray_cluster, tiny_mod
     from miles.weights.transports import TensorTransport
 
     ray = ray_cluster.ray
-    router, actors, group = launch_engines(ray, 1, str(tiny_model_dir), MilesServerLauncher(), cpus_per_engine=1,
-                                           multi_node=False, startup_timeout_s=120,
-                                           router_args={"health_interval_s": 0.2})
+    router, actors, group, _ = launch_engines(ray, 1, str(tiny_model_dir), MilesServerLauncher(), cpus_per_engine=1,
+                                              multi_node=False, startup_timeout_s=120,
+                                              router_args={"health_interval_s": 0.2})
     plane = RolloutPlane(router=router)
     transport = TensorTransport()
     router.on_readmit = lambda endpoint: transport.catch_up(plane, endpoint)

@@ -396,12 +396,17 @@ def _reward(sample: Any) -> float:
 
 def simulate(scenario: Scenario) -> list[StepTimes]:
     """Run ``scenario``'s steps on the simulated clock; each step's simulated times."""
-    logging.getLogger("miles").setLevel(logging.ERROR)  # the router's warnings on every simulated failure
-    cluster = _Cluster(scenario)
+    quiet = logging.getLogger("miles")  # the router's warnings on every simulated failure, while it runs
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
-        return cluster.run()
+        cluster = _Cluster(scenario)
+        try:
+            return cluster.run()
+        finally:
+            cluster.close()
     finally:
-        cluster.close()
+        quiet.setLevel(level)
 
 
 def summary(records: list[StepTimes], skip: int = 1) -> dict[str, float]:

@@ -275,7 +275,20 @@ def _cmd_sandbox_gc(args: argparse.Namespace) -> int:
         raise RunError(f"miles sandbox gc {args.name}: {type(exc).__name__}: {exc}") from exc
     which = f"run {args.run}" if args.run else "any Miles run"
     print(f"deleted {len(deleted)} {args.name} sandbox(es) tagged by {which}" + "".join(f"\n  {i}" for i in deleted))
-    return 0
+    return _done_without_finalizing(0)
+
+
+def _done_without_finalizing(code: int) -> int:
+    """As the ``miles`` process: flush and exit at once. A sandbox SDK's client left a native thread that, under
+    load, aborted the interpreter's finalization (SIGABRT, exit -6) after the work was done and printed (seen with
+    the E2B SDK, about 1 run in 10 on a busy machine; the thread has no Python frame). In-process callers get the
+    code back."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if main_spec is not None and main_spec.name == "miles.__main__":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _cmd_fleet(args: argparse.Namespace) -> int:

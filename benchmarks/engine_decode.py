@@ -83,21 +83,18 @@ class Partition:
         self.model, self.module, self.name = model, module, name
         self.forward, self.sampler = model.forward, getattr(module, name)
 
+    def _timed(self, fn, field: str):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - start)
+
+        return wrapper
+
     def __enter__(self) -> Partition:
-        def forward(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return self.forward(*args, **kwargs)
-            finally:
-                self.forward_s += time.perf_counter() - start
-
-        def sampler(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return self.sampler(*args, **kwargs)
-            finally:
-                self.sample_s += time.perf_counter() - start
-
+        forward, sampler = self._timed(self.forward, "forward_s"), self._timed(self.sampler, "sample_s")
         self.model.forward = forward
         setattr(self.module, self.name, sampler)
         return self

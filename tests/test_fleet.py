@@ -63,3 +63,21 @@ def test_engines_join_and_leave_a_running_run_at_random_steps_and_nothing_is_los
     # the same learning as a fixed fleet (the samples differ: each engine draws from its own generator)
     assert fmean(r["reward/mean"] for r in rows[-10:]) == pytest.approx(fmean(r["reward/mean"] for r in fixed[-10:]),
                                                                         abs=0.1)
+
+
+@pytest.mark.parametrize("config, why", [
+    (None, "is not a Miles run directory (it has no config.yaml)"),
+    ("rollout: {engine: {num_engines: 0}}", "has its engine in process (rollout.engine.num_engines=0)"),
+    ("rollout: {engine: {num_engines: 2}}\ncluster: {local_mode: true}", "num_engines=2, cluster.local_mode"),
+])
+def test_a_fleet_request_a_run_cannot_follow_is_refused_with_exit_code_2(tmp_path, capsys, config, why):
+    if config is not None:
+        (tmp_path / "config.yaml").write_text(config)
+    assert main(["fleet", str(tmp_path), "--engines", "2"]) == 2
+    assert why in capsys.readouterr().err and not (tmp_path / "fleet.json").exists()
+
+
+def test_a_fleet_of_no_engines_is_refused_with_exit_code_2(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("rollout: {engine: {num_engines: 2}}")
+    assert main(["fleet", str(tmp_path), "--engines", "0"]) == 2
+    assert "--engines must be at least 1" in capsys.readouterr().err and not (tmp_path / "fleet.json").exists()

@@ -16,6 +16,7 @@ import random
 from typing import Any
 
 from miles import hookimpl
+from miles.rollout.collect import OverSampling
 from miles.types import Group
 
 __all__ = ["drop_equal_rewards", "DynamicSampling", "OverSampling", "OverlongPenalty", "Buffer", "Curriculum"]
@@ -37,18 +38,6 @@ class DynamicSampling:
 
     def __call__(self, groups: list[Group]) -> list[Group]:
         return drop_equal_rewards(groups, self.min_samples)
-
-
-class OverSampling:
-    """Generate ``factor`` times the prompts a round needs (filters downstream then have spares)."""
-
-    def __init__(self, factor: float = 1.5) -> None:
-        if factor < 1:
-            raise ValueError(f"factor must be >= 1, got {factor}")
-        self.prompts_factor = factor
-
-    def __call__(self, groups: list[Group]) -> list[Group]:
-        return groups
 
 
 class OverlongPenalty:

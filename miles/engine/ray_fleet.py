@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from miles.engine.router import EngineEndpoint, Router
 from miles.errors import ConfigError, RunError
 
@@ -30,8 +32,14 @@ def request_engines(run_dir: str | Path, engines: int) -> Path:
     if engines < 1:
         raise ConfigError(f"--engines must be at least 1 (a run needs an engine), got {engines}")
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ConfigError(f"{run_dir} is not a run directory")
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} is not a Miles run directory (it has no config.yaml)")
+    config = OmegaConf.load(run_dir / "config.yaml")
+    num_engines = OmegaConf.select(config, "rollout.engine.num_engines", default=0)
+    if not num_engines or OmegaConf.select(config, "cluster.local_mode", default=False):
+        raise ConfigError(f"the run in {run_dir} has its engine in process (rollout.engine.num_engines={num_engines}"
+                          f"{', cluster.local_mode' if num_engines else ''}): only engines on Ray "
+                          "(rollout.engine.num_engines >= 1) join and leave a running fleet")
     path = run_dir / FLEET_FILE
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"engines": engines}))

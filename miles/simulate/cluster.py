@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 from dataclasses import dataclass, field
 from statistics import fmean
@@ -22,7 +21,7 @@ from typing import Any
 from miles.engine.router import EngineEndpoint, Router
 from miles.loop.schedules import StreamSettings, make_schedule
 from miles.loop.step import Step
-from miles.rollout.collect import GroupCollector
+from miles.rollout.collect import GroupCollector, OverSampling
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt, PromptSource
 from miles.rollout.single_turn import single_turn
@@ -231,7 +230,7 @@ class Invariants:
     def serving(self, sim: _Cluster, engine: SimEngine) -> None:
         """A request reaches ``engine``: if the router takes it for the process it caught up (the same instance), it
         holds the weights pushed last, or the one before while a push is landing."""
-        endpoint = next(e for e in sim.router.engines if e.url == engine.url)
+        endpoint = sim.endpoints[engine.url]
         if endpoint.gone:
             raise InvariantBroken(f"a request reached {engine.url}, which left the fleet")
         if endpoint.instance != engine.instance:
@@ -267,13 +266,16 @@ class _Cluster:
         self.loop = VirtualLoop()
         self.rng = random.Random(s.seed)
         self.engines: dict[str, SimEngine] = {}
+        self.endpoints: dict[str, EngineEndpoint] = {}  # the router's view of each engine, by URL
         self.invariants = Invariants(s)
         self.dropped = 0  # groups dropped (counted): too old for the stream (or generated again), a round's surplus
         self.transport = _Transport(self)
         self.router = Router([], health_interval_s=s.health_interval_s, request_timeout_s=10 * 86400.0,
                              on_readmit=self.transport.catch_up, batch_requests=s.batch_requests)
         for _ in range(s.engines):
-            self.router.engines.append(EngineEndpoint(self._new_engine().url))
+            url = self._new_engine().url
+            self.endpoints[url] = EngineEndpoint(url)
+            self.router.engines.append(self.endpoints[url])
         self.loop.run(self._start())
         self.hooks = _Hooks(self.loop)
         self.plane = _Plane(self.loop, self.router)
@@ -282,7 +284,7 @@ class _Cluster:
         prompt = [1] * max(1, s.prompt_tokens // s.token_scale)
         prompts = [Prompt(index=i, prompt=f"p{i}", label="", prompt_ids=prompt) for i in range(100_000)]
         self.data = PromptSource.from_prompts(prompts, shuffle=False, seed=s.seed)
-        selectors = [("over_sampling", _OverSampling(s.oversampling))] if s.oversampling > 1 else []
+        selectors = [("over_sampling", OverSampling(s.oversampling))] if s.oversampling > 1 else []
         self.collector = GroupCollector(selectors, s.prompts_per_step, s.n_samples, partial_rollout=s.partial_rollout)
         ctx = RolloutContext(engine=self.router, tokenizer=None, sampling_params={"max_new_tokens": cap},
                              run=self.loop.run)
@@ -320,7 +322,7 @@ class _Cluster:
         for _ in range(count):
             engine = self._new_engine()
             engine.start()
-            self.router.add_engine(engine.url)
+            self.endpoints[engine.url] = self.router.add_engine(engine.url)
 
     async def _leave(self, count: int) -> None:
         """Engines leave the running fleet (:meth:`Router.remove_engine`): what they hold finishes there."""
@@ -380,16 +382,6 @@ class _Cluster:
             self.loop.close()
 
 
-class _OverSampling:
-    """The builtin ``over_sampling`` selector's contract (``prompts_factor``): more prompts a round than it needs."""
-
-    def __init__(self, factor: float) -> None:
-        self.prompts_factor = factor
-
-    def __call__(self, groups: list[Group]) -> list[Group]:
-        return groups
-
-
 def _reward(sample: Any) -> float:
     return 1.0 if sample.status is SampleStatus.COMPLETED else 0.0
 
@@ -419,4 +411,4 @@ def summary(records: list[StepTimes], skip: int = 1) -> dict[str, float]:
             "update_s": fmean(r.update_s for r in steady),
             "samples_per_s": sum(r.samples for r in steady) / sum(r.step_s for r in steady),
             "staleness_max": max(r.staleness_max for r in steady),
-            "tokens_per_step": fmean(r.tokens for r in steady), "steps": math.nan if not steady else len(steady)}
+            "tokens_per_step": fmean(r.tokens for r in steady), "steps": len(steady)}

@@ -380,10 +380,11 @@ class SimSession:
         return engine.health()
 
     def _engine(self, url: str) -> tuple[SimEngine, str]:
-        for base, engine in self.engines.items():
-            if url.startswith(base + "/"):
-                return engine, url[len(base):]
-        raise EngineDown(f"{url}: no such engine")
+        cut = url.find("/", url.find("//") + 2)  # http://host[:port] | /path
+        engine = self.engines.get(url[:cut]) if cut > 0 else None
+        if engine is None:
+            raise EngineDown(f"{url}: no such engine")
+        return engine, url[cut:]
 
     async def close(self) -> None:
         return None

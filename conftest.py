@@ -3,7 +3,8 @@
 With ``pytest -n 2`` (pytest-xdist) every test that starts Ray (the files below, and the tests named in the
 files of ``STARTS_RAY_IN_PART``) runs on one worker, in order, while the other workers run everything else
 (:func:`pytest_xdist_make_scheduler`). A run joins the Ray instance its process already has, so a test module
-that leaves one running is stopped here too.
+that leaves one running is stopped here too. A worker that dies is replaced; its test fails, named at once, and
+is not run again.
 """
 
 import sys
@@ -40,7 +41,29 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return "ray" if starts_ray(nodeid) else nodeid
 
+        def remove_node(self, node):
+            """xdist 3.8.0's, less two faults (pytest-xdist issues 1323 and 1371): a crashed worker's finished units
+            went back to the queue, and the worker sent one of them waited for its tests for ever (the whole run
+            hung); and the test that crashed the worker ran again, on its replacement."""
+            workload = self.assigned_work.pop(node)
+            pending = {scope: unit for scope, unit in workload.items() if not all(unit.values())}
+            if not pending:
+                return None
+            crashitem = next(nodeid for unit in pending.values() for nodeid, done in unit.items() if not done)
+            for scope, unit in pending.items():
+                unit.pop(crashitem, None)  # reported failed by xdist; not run again
+                if not all(unit.values()):
+                    self.workqueue[scope] = unit
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashitem
+
     return RayTakesTurns(config, log)
+
+
+def pytest_handlecrashitem(crashitem, report, sched):
+    """A test worker died: its test is named at once (xdist names it only in the session's summary)."""
+    sys.stderr.write(f"\nmiles tests: a worker died while running {crashitem}\n")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -16,7 +16,7 @@ import random
 from typing import Any
 
 from miles import hookimpl
-from miles.rollout.collect import OverSampling
+from miles.rollout.oversampling import OverSampling
 from miles.types import Group
 
 __all__ = ["drop_equal_rewards", "DynamicSampling", "OverSampling", "OverlongPenalty", "Buffer", "Curriculum"]

@@ -19,7 +19,7 @@ from miles.rollout.generate import make_groups, run_one, run_rollouts
 from miles.rewards.scoring import score_samples, score_samples_async
 from miles.types import Group, Sample, SampleStatus
 
-__all__ = ["GroupCollector", "Collected", "OverSampling"]
+__all__ = ["GroupCollector", "Collected"]
 
 
 @dataclass
@@ -32,19 +32,6 @@ class Collected:
 def _timed_out(samples: list[Sample], stage: str) -> int:
     return sum(s.status is SampleStatus.FAILED and (s.reason or "").startswith(f"{stage}: timed out")
                for s in samples)
-
-
-class OverSampling:
-    """The ``over_sampling`` selector: generate ``factor`` times the prompts a round needs (filters downstream then
-    have spares). It lives beside the collector that reads its ``prompts_factor``."""
-
-    def __init__(self, factor: float = 1.5) -> None:
-        if factor < 1:
-            raise ValueError(f"factor must be >= 1, got {factor}")
-        self.prompts_factor = factor
-
-    def __call__(self, groups: list[Group]) -> list[Group]:
-        return groups
 
 
 class GroupCollector:

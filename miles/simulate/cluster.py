@@ -21,7 +21,8 @@ from typing import Any
 from miles.engine.router import EngineEndpoint, Router
 from miles.loop.schedules import StreamSettings, make_schedule
 from miles.loop.step import Step
-from miles.rollout.collect import GroupCollector, OverSampling
+from miles.rollout.collect import GroupCollector
+from miles.rollout.oversampling import OverSampling
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt, PromptSource
 from miles.rollout.single_turn import single_turn

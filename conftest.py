@@ -12,11 +12,13 @@ import sys
 import pytest
 
 STARTS_RAY = {
-    "tests/test_debug_modes.py", "tests/test_engine_chaos.py", "tests/test_gpu_check.py", "tests/test_lora.py",
+    "tests/test_debug_modes.py", "tests/test_engine_chaos.py", "tests/test_fleet.py", "tests/test_gpu_check.py",
+    "tests/test_lora.py",
     "tests/test_multi_node.py", "tests/test_ray_plane.py", "tests/test_schedules_ray.py", "tests/test_startup.py",
     "tests/test_true_on_policy.py",
     "plugins/miles-fsdp2/tests/test_fsdp2.py", "plugins/miles-fsdp2/tests/test_fsdp2_chunked_logprobs.py",
-    "plugins/miles-fsdp2/tests/test_fsdp2_lora.py", "plugins/miles-megatron/tests/test_megatron_backend.py",
+    "plugins/miles-fsdp2/tests/test_fsdp2_lora.py", "plugins/miles-fsdp2/tests/test_fsdp2_prefix_sharing.py",
+    "plugins/miles-fsdp2/tests/test_fsdp2_vlm.py", "plugins/miles-megatron/tests/test_megatron_backend.py",
     "plugins/miles-megatron/tests/test_megatron_parallel.py",
 }
 # In these files only the tests named start Ray (the rest launch servers as plain processes, or fail at config).

@@ -1,5 +1,5 @@
-"""Where a test run's time went, from its JUnit XML (``pytest --junitxml FILE``; .ci/run writes
-``$TMPDIR/miles-ci-junit.xml``): the slowest tests, the slowest files, and the sum over all tests (on N workers the
+"""Where a test run's time went, from its JUnit XML (``pytest --junitxml FILE``; scripts/test.sh writes
+``$TMPDIR/miles-tests-junit.xml``): the slowest tests, the slowest files, and the sum over all tests (on N workers the
 run's wall time is about that sum over N).
 
     python scripts/slowest_tests.py [FILE] [--top 20] [--json]
@@ -45,7 +45,7 @@ def summary(cases: list[tuple[str, float]], top: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", nargs="?", default=os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                                                                "miles-ci-junit.xml"))
+                                                                "miles-tests-junit.xml"))
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

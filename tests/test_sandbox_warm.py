@@ -487,6 +487,36 @@ def test_a_call_that_writes_past_the_disk_quota_is_stopped_and_the_sandbox_goes_
         assert after.stdout == "False\n"
 
 
+@pytest.mark.parametrize("isolation", MODES)
+def test_a_call_stopped_by_the_disk_watch_after_its_reply_restarts_the_interpreter(isolation: str,
+                                                                                  workspace_root: str,
+                                                                                  monkeypatch) -> None:
+    """The watch measured the sandbox over its quota and killed the interpreter just after the call's reply came
+    (its own measurements are held off here; it runs at that moment): the next call gets a new interpreter. It was
+    given the killed one, which still looked alive, and failed with "killed by SIGKILL" (in CI; 2 of 60 runs here)."""
+    from miles.agentic.sandboxes import interpreter
+
+    monkeypatch.setattr(sandboxes, "DISK_CHECK_S", 3600.0)
+    call = interpreter.Interpreter.call
+
+    async def body(sandbox):
+        async def reply_then_watch(self, *args, **kwargs):
+            outcome = await call(self, *args, **kwargs)
+            if outcome.stdout == "wrote\n":
+                await sandbox._check_disk()
+            return outcome
+
+        monkeypatch.setattr(interpreter.Interpreter, "call", reply_then_watch)
+        over = await sandbox.run('head -c 20971520 /dev/zero > "$HOME/big"; echo wrote', timeout_s=60)
+        clean = await sandbox.run('rm -f "$HOME/big"; echo small', timeout_s=30)
+        return over, clean
+
+    over, clean = in_sandbox(body, isolation=isolation, disk_mb=10, workspace_root=workspace_root)
+    assert over.exit_code == sandboxes.QUOTA_EXIT_CODE and "disk quota exceeded" in over.stderr, over
+    assert over.stderr.endswith(RESTART_MARKER.format(reason="the call took the sandbox over its disk quota")), over
+    assert (clean.stdout, clean.exit_code, clean.stderr) == ("small\n", 0, ""), clean
+
+
 def test_the_docs_example_keeps_variables_between_calls() -> None:
     from test_docs import python_blocks
 

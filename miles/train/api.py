@@ -14,7 +14,8 @@ and ``miles.testing``. It covers:
   :func:`balanced_partition`, :func:`micro_batch_indices`;
 - worker processes on Ray: :class:`RayWorkers` (placement with ``cluster.train_resources``, calls to all
   ranks, every worker stopped when one fails) and :class:`RayWorkersBackend`, the base of a backend built on
-  one (``ray_cpus``, ``workers``, ``shutdown``);
+  one (``ray_cpus``, ``workers``, ``shutdown``); the process group joined without a port race: rank 0 makes a
+  :class:`RendezvousHost` (bound when made) and every rank calls :func:`join_world` with its address;
 - metric reduction across ranks: :func:`sum_over_ranks` then :func:`combine_metrics`, and
   :func:`assemble_rows` to put per-micro-batch rows back into ``[B, L-1]``;
 - the losses' building blocks: :func:`token_logprobs` (whole, or memory-bounded with ``chunk_tokens``),
@@ -42,6 +43,7 @@ from miles.train.lora import check_targets as check_lora_targets
 from miles.train.lora import export_weights as export_lora_weights
 from miles.train.kernels import LogprobKernel, TorchKernel, check_kernel_name, select_kernel
 from miles.train.options import TrainOptions, autocast_dtype, resolve_device, takes_train_options
+from miles.train.process_group import RendezvousHost, join_world
 from miles.train.ray_workers import RayWorkers, RayWorkersBackend
 from miles.train.torch_backend import Policy, assemble_rows, combine_metrics, rng_state, set_rng_state, sum_over_ranks
 from miles.types import LossInputs, TrainBatch
@@ -56,7 +58,7 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 __all__ = [
     "TrainBackend", "LossFn", "TrainBatch", "LossInputs",
     "TrainOptions", "takes_train_options", "resolve_device", "autocast_dtype",
-    "Policy", "rng_state", "set_rng_state", "RayWorkers", "RayWorkersBackend",
+    "Policy", "rng_state", "set_rng_state", "RayWorkers", "RayWorkersBackend", "RendezvousHost", "join_world",
     "plan_batch", "plan_step", "normalizers", "balanced_partition", "micro_batch_indices",
     "sum_over_ranks", "combine_metrics", "assemble_rows",
     "value_loss",

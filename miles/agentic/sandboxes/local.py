@@ -313,6 +313,8 @@ class LocalSandbox:
             finally:
                 self._runs.discard(call)
                 call.done.set()
+            if call.stopped:  # the disk watch killed it, maybe after the reply came: it still looked alive
+                await interpreter.stop()
             exit_code, stderr, ended = outcome.exit_code, outcome.stderr, outcome.ended
             if call.over_quota is not None:
                 exit_code = None if outcome.timed_out else QUOTA_EXIT_CODE

@@ -69,7 +69,7 @@ class FSDP2Backend(RayWorkersBackend):
         threads = max(1, int(self.cpus_per_worker))
         self.group.start(FSDPWorker, self.options.device, self.ray_resources,
                          lambda rank: (rank, self.world_size, self.options, threads))
-        master = self.group.gather([self.workers[0].address.remote()], "setup")[0]
+        master = self.group.gather([self.workers[0].address.remote(self.collective_timeout_s)], "setup")[0]
         self._all("setup", master, model_path, seed, ref_model_path, total_steps, critic_model_path,
                   self.collective_timeout_s)
         self._model_path = model_path

@@ -7,8 +7,6 @@ with its own rows. The per-process training itself is :class:`miles.train.torch_
 from __future__ import annotations
 
 import os
-import socket
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +25,13 @@ from torch.distributed.tensor import Shard
 from miles.train.api import (
     ConfigError,
     Policy,
+    RendezvousHost,
     TrainBatch,
     TrainOptions,
     adapter_state,
     apply_lora,
     export_lora_weights,
+    join_world,
     load_adapter_state,
     load_critic,
     load_model,
@@ -73,23 +73,21 @@ class FSDPWorker:
         torch.set_num_threads(threads)
         self.rank, self.world_size, self.options = rank, world_size, options
         self.policy: Policy | None = None
+        self.rendezvous: RendezvousHost | None = None
 
-    def address(self) -> tuple[str, int]:
-        """This node's address and a free port, for rank 0 to host the process group's rendezvous."""
+    def address(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0 hosts the process group's rendezvous on this node, bound now; its address goes to every rank."""
         import ray
 
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+        self.rendezvous = RendezvousHost(ray.util.get_node_ip_address(), self.world_size, timeout_s)
+        return self.rendezvous.address
 
     def setup(self, master: tuple[str, int], model_path: str, seed: int, ref_model_path: str | None,
               total_steps: int | None, critic_model_path: str | None, timeout_s: float) -> None:
         device = resolve_device(self.options)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
-                                rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+        join_world(self.rank, self.world_size, master, timeout_s, device, self.rendezvous)
         mesh = init_device_mesh(device.type, (self.world_size,))
         torch.manual_seed(seed)
         model = load_model(model_path)

@@ -143,7 +143,7 @@ class MegatronBackend(RayWorkersBackend):
         threads = max(1, int(self.cpus_per_worker))
         self.group.start(MegatronWorker, self.options.device, self.ray_resources,
                          lambda rank: (rank, self.world_size, self.sizes, self.options, self.sequence_packing, threads))
-        master = self.group.gather([self.workers[0].address.remote()], "setup")[0]
+        master = self.group.gather([self.workers[0].address.remote(self.collective_timeout_s)], "setup")[0]
         self.coords = self._all("init_groups", master, seed, self.collective_timeout_s)
         for key in ("pipeline_parallel", "context_parallel"):
             size = {"pipeline_parallel": self.sizes.pp, "context_parallel": self.sizes.cp}[key]

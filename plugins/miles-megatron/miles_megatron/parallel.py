@@ -3,32 +3,26 @@ model-parallel groups inside it."""
 
 from __future__ import annotations
 
-import socket
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
+from miles.train.api import RendezvousHost, join_world
 from miles_megatron import cpu_shims
 from miles_megatron.model import Parallel
 
-__all__ = ["init_world", "init_model_parallel", "shutdown", "free_address"]
-
-
-def free_address() -> tuple[str, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return "127.0.0.1", s.getsockname()[1]
+__all__ = ["init_world", "init_model_parallel", "shutdown"]
 
 
 def init_world(rank: int, world_size: int, master: tuple[str, int] | None = None, timeout_s: float = 600.0,
-               device: torch.device = torch.device("cpu")) -> None:
-    """Join the process group (a one-process world on a free local port when ``master`` is None)."""
+               device: torch.device = torch.device("cpu"), rendezvous: RendezvousHost | None = None) -> None:
+    """Join the process group at ``master`` (rank 0 passes the rendezvous it hosts; a one-process world on
+    127.0.0.1 when ``master`` is None)."""
     if dist.is_initialized():
         return
-    host, port = master or free_address()
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{host}:{port}",
-                            rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    if master is None:
+        rendezvous = rendezvous or RendezvousHost("127.0.0.1", world_size, timeout_s)
+        master = rendezvous.address
+    join_world(rank, world_size, master, timeout_s, device, rendezvous)
 
 
 def init_model_parallel(parallel: Parallel, seed: int) -> None:

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from miles.train.api import Policy, TrainBatch, TrainOptions, resolve_device, rng_state, set_rng_state
+from miles.train.api import (Policy, RendezvousHost, TrainBatch, TrainOptions, resolve_device, rng_state,
+                            set_rng_state)
 from miles_megatron import parallel
 from miles_megatron.arch import model_spec
 from miles_megatron.convert import hf_to_megatron, rule_of, shard
@@ -58,17 +59,14 @@ class MegatronWorker:
         self.packing = packing
         self.policy: MegatronPolicy | None = None
         self.spec: Any = None
+        self.rendezvous: RendezvousHost | None = None
 
-    def address(self) -> tuple[str, int]:
-        """This node's address and a free port, for rank 0 to host the process group's rendezvous."""
-        import socket
-
+    def address(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0 hosts the process group's rendezvous on this node, bound now; its address goes to every rank."""
         import ray
 
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+        self.rendezvous = RendezvousHost(ray.util.get_node_ip_address(), self.world_size, timeout_s)
+        return self.rendezvous.address
 
     def coords(self) -> dict[str, int]:
         from megatron.core import parallel_state as ps
@@ -82,7 +80,7 @@ class MegatronWorker:
         device = resolve_device(self.options)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        parallel.init_world(self.rank, self.world_size, master, timeout_s, device)
+        parallel.init_world(self.rank, self.world_size, master, timeout_s, device, self.rendezvous)
         parallel.init_model_parallel(self.sizes, seed)
         return self.coords()
 

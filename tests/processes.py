@@ -23,8 +23,10 @@ def wait_gone(pid: int, timeout_s: float = 60.0) -> bool:
     return True
 
 
-def children(marker: str) -> list[int]:
-    """Running children of this process whose command line (arguments joined by NUL) contains ``marker``."""
+def children(marker: str, parent: int | None = None) -> list[int]:
+    """Running children of ``parent`` (this process by default) whose command line (arguments joined by NUL)
+    contains ``marker``."""
+    parent = os.getpid() if parent is None else parent
     found = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
@@ -32,6 +34,6 @@ def children(marker: str) -> list[int]:
             cmdline = (status.parent / "cmdline").read_text()
         except (OSError, StopIteration):
             continue
-        if ppid == os.getpid() and marker in cmdline and alive(int(status.parent.name)):
+        if ppid == parent and marker in cmdline and alive(int(status.parent.name)):
             found.append(int(status.parent.name))
     return found

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 import miles
 from miles.errors import ConfigError, DataError, RunError
 from miles.run.runner import prepare, train
+from miles.train.process_backend import ProcessBackend, TrainerProcess
 from miles.train.torch_backend import TorchBackend
 
 QUICK = ["sft.steps=20", "run.eval_size=0", "rollout.prompts_per_step=4", "rollout.n_samples=4", "run.progress=false"]
@@ -28,8 +29,11 @@ TRAINS_IN = re.compile(r"the trainer runs in process (\d+)")
 
 
 def trainers() -> list[int]:
-    """Children of this process that run a trainer (multiprocessing's spawned interpreters)."""
-    return children("multiprocessing.spawn")
+    """The trainers of this process: the children of its multiprocessing fork server (which forks them)."""
+    return [pid for server in children(FORKSERVER) for pid in children(FORKSERVER, server)]
+
+
+FORKSERVER = "multiprocessing.forkserver"
 
 
 class DiesAt(TorchBackend):
@@ -114,6 +118,31 @@ def test_a_streaming_schedule_trains_in_a_child_process_beside_the_engine(tmp_pa
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["train/samples"] == 16 for r in rows)
     assert (tmp_path / "final_model" / "model.safetensors").exists()
+
+
+class SaysItsEnvironment(TorchBackend):
+    def setup(self, *args, **kwargs):
+        raise LookupError(os.environ.get("MILES_TEST_LATE", "not set"))
+
+
+def test_trainers_are_forked_by_a_server_that_imported_torch_once_and_get_the_environment_of_now(monkeypatch):
+    """A spawned trainer imported torch and transformers again, seconds each time: the fork server imports them once
+    per driver, and each trainer is forked from it. A variable set after the server started reaches the next
+    trainer (the server's environment is the one of its start)."""
+    first = TrainerProcess(1)
+    server = Path(f"/proc/{first.started().pid}/status").read_text().split("PPid:")[1].split()[0]
+    assert server != str(os.getpid()) and FORKSERVER in Path(f"/proc/{server}/cmdline").read_text()
+    assert "libtorch" in Path(f"/proc/{server}/maps").read_text()  # imported before any trainer asked for it
+    assert trainers() == [first.proc.pid]
+    first.stop()
+    monkeypatch.setenv("MILES_TEST_LATE", "set after the server started")
+    backend = ProcessBackend(SaysItsEnvironment(), threads=1)
+    try:
+        with pytest.raises(LookupError, match="set after the server started"):
+            backend.setup("no model", seed=0)
+    finally:
+        backend.shutdown()
+    assert trainers() == []
 
 
 def test_sync_trains_in_process_unless_asked(tmp_path, capsys):

@@ -3,13 +3,15 @@
 Why: under a streaming schedule (``run.schedule`` one_step_off or async) generation and training are meant to
 overlap. In one process they share the interpreter lock: the rollout loop's thread (its event loop, the
 in-process engine, rewards) and the trainer take turns, and neither gets a core. Here the backend trains in a
-child process (``multiprocessing``'s spawn; a pipe carries each call and its answer, pickled): the driver keeps
-the rollout plane, with its engine, and waits on the pipe without holding the lock while the child trains.
-``backend.separate_process`` chooses (:func:`separate_trainer`).
+child process (forked by ``multiprocessing``'s fork server, which imported torch and the builtin backend once; a
+pipe carries each call and its answer, pickled): the driver keeps the rollout plane, with its engine, and waits
+on the pipe without holding the lock while the child trains. ``backend.separate_process`` chooses
+(:func:`separate_trainer`).
 
-The child dies with the driver (parent-death signal) and ignores Ctrl-C: the driver hears it, stops the run and
-shuts the child down. A child that dies is not restarted (its optimizer state is gone): the call that was
-running raises a :class:`miles.errors.RunError` naming it, and the last checkpoint is untouched.
+The child dies with the driver (the fork server ends with the driver, the child with the server: a parent-death
+signal) and ignores Ctrl-C: the driver hears it, stops the run and shuts the child down. A child that dies is not
+restarted (its optimizer state is gone): the call that was running raises a :class:`miles.errors.RunError` naming
+it, and the last checkpoint is untouched.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
 import traceback
 from dataclasses import replace
 from typing import Any
@@ -30,6 +33,9 @@ __all__ = ["ProcessBackend", "TrainerProcess", "separate_trainer"]
 
 _PR_SET_PDEATHSIG = 1
 _BACKEND = "__backend__"  # the first message: the backend the child trains
+# What the fork server imports once, for every trainer it forks: what a trainer imports to set the builtin backend up
+_PRELOAD = ("torch", "miles.train.process_backend", "miles.train.torch_backend", "miles.train.losses",
+            "miles.builtin.losses", "miles.models.hf", "miles.models.vision", "miles.precision")
 
 
 def separate_trainer(config: Any, registry: Any) -> bool:
@@ -79,16 +85,46 @@ def _dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _serve(conn: Any, threads: int, parent: int) -> None:
+def _context() -> Any:
+    """Where trainer processes come from: multiprocessing's fork server, which imports torch and the builtin backend
+    once (on its first use in this process) and forks each trainer from that; a spawned trainer imported them again,
+    seconds each time. The server lives as long as this process, and ends when it does."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(_PRELOAD))
+    return context
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _serve(conn: Any, threads: int, driver: int, environ: dict[str, str]) -> None:
     """The child: imports what training needs while it waits for its backend (the first message), then runs each
-    call it receives on it and sends back its result or its exception."""
+    call it receives on it and sends back its result or its exception. It has the driver's environment as it is now
+    (the fork server's is the one of its start)."""
     import ctypes
 
     import torch
 
+    server = os.getppid()  # the fork server, which ends when every holder of its "alive" pipe's write end has
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the driver died before prctl
+    from multiprocessing import forkserver
+
+    # our copy of that write end (so that this process could use the server too) would keep the server, and so
+    # this process, alive after the driver's death: closed, the driver's death ends the server, then this process
+    alive, forkserver._forkserver._forkserver_alive_fd = forkserver._forkserver._forkserver_alive_fd, None
+    if alive is not None:
+        os.close(alive)
+    if os.getppid() != server or not _alive(driver):  # the server or the driver died before prctl
         os._exit(1)
+    os.environ.clear()
+    os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     torch.set_num_threads(threads)
     import miles.train.torch_backend  # noqa: F401 - the builtin backend, imported before it is needed
@@ -119,21 +155,39 @@ def _serve(conn: Any, threads: int, parent: int) -> None:
 
 
 class TrainerProcess:
-    """A child process started ahead of its backend (``multiprocessing``'s spawn), importing torch and the builtin
-    backend meanwhile: a run starts it before its SFT phase, so that its start-up (seconds) overlaps it. ``stop``
-    ends one that was never used."""
+    """A child process started ahead of its backend (forked by ``multiprocessing``'s fork server, which imports torch
+    and the builtin backend once: :func:`_context`): a run starts it before its SFT phase, and a thread of its own
+    starts it (the fork server's first start takes seconds), so that its start-up overlaps that phase. ``stop`` ends
+    one that was never used."""
 
     def __init__(self, threads: int) -> None:
-        context = multiprocessing.get_context("spawn")
+        context = _context()
         self.conn, child = context.Pipe()
-        self.proc = context.Process(target=_serve, args=(child, threads, os.getpid()), name="miles-trainer",
-                                    daemon=True)
-        self.proc.start()
-        child.close()
+        self.proc = context.Process(target=_serve, args=(child, threads, os.getpid(), dict(os.environ)),
+                                    name="miles-trainer", daemon=True)
         self.taken = False
+        self._error: BaseException | None = None
+        self._starting = threading.Thread(target=self._start, args=(child,), name="miles-trainer-start", daemon=True)
+        self._starting.start()
+
+    def _start(self, child: Any) -> None:
+        try:
+            self.proc.start()
+        except BaseException as exc:  # noqa: BLE001 - raised where the process is wanted (started)
+            self._error = exc
+        finally:
+            child.close()
+
+    def started(self) -> Any:
+        """The process, once it started (RunError when it could not)."""
+        self._starting.join()
+        if self._error is not None:
+            raise RunError(f"the training process did not start: {self._error}") from self._error
+        return self.proc
 
     def stop(self) -> None:
-        if not self.taken and self.proc.is_alive():
+        self._starting.join()
+        if not self.taken and self._error is None and self.proc.is_alive():
             self.conn.close()  # the child reads EOF and returns
             self.proc.join(10)
             if self.proc.is_alive():
@@ -148,10 +202,10 @@ class ProcessBackend(BackendProxy):
     def __init__(self, backend: Any, *, threads: int, process: TrainerProcess | None = None) -> None:
         """``backend`` trains in ``process`` (one started earlier with :class:`TrainerProcess`), else in a process
         started now. It is sent with the first call."""
-        if process is None or process.taken or not process.proc.is_alive():
+        if process is None or process.taken or not process.started().is_alive():
             process = TrainerProcess(threads)
         process.taken = True
-        self._conn, self._proc = process.conn, process.proc
+        self._conn, self._proc = process.conn, process.started()
         self._backend: Any = backend  # sent with the first call, whose answer comes after the child took it
         self._closed = self._interrupted = False
 

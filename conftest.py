@@ -59,6 +59,12 @@ def pytest_xdist_make_scheduler(config, log):
                 self._reschedule(other)
             return crashitem
 
+        def _reschedule(self, node):
+            """Not before the worker's collection came: a worker that replaced a dead one may still be collecting
+            when another finishes (xdist 3.8.0 raised KeyError there: two workers dead at once, CI)."""
+            if node in self.registered_collections:
+                super()._reschedule(node)
+
     return RayTakesTurns(config, log)
 
 

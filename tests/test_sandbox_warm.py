@@ -400,6 +400,7 @@ def test_16_trajectories_on_a_pool_of_4_lose_nothing_and_never_share_a_sandbox(w
         return pool, results
 
     ours: list[int] = []
+    earlier = {pid for pid in SandboxConformance.pids_running(SERVER) if _descends_from(pid, os.getpid())}
     pool, results = asyncio.run(main())
     assert [(first, second) for _, first, second in results] == [("False\n", f"{i} {i}\n") for i in range(16)]
     assert len({id(sandbox) for sandbox, _, _ in results}) == 16
@@ -408,7 +409,7 @@ def test_16_trajectories_on_a_pool_of_4_lose_nothing_and_never_share_a_sandbox(w
     deadline = time.monotonic() + 30  # as gone() polls: until they are gone, or at most this long
     while (left := [pid for pid in ours if _cmdline(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert left == [], "an interpreter outlived the pool"
+    assert left == [], ("an interpreter outlived the pool", {pid: (_cmdline(pid)[:80], pid in earlier) for pid in left})
     assert os.listdir(workspace_root) == []
 
 

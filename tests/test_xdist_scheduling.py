@@ -29,3 +29,52 @@ def test_a_worker_that_dies_fails_its_test_once_and_the_run_ends(tmp_path):
     assert out.count("node down") == 2  # each of the two tests killed one worker: neither ran again
     for i in (3, 11):
         assert f"miles tests: a worker died while running test_dies.py::test_one[{i}]" in out
+
+
+class _Worker:
+    """What the scheduler uses of an xdist worker: its id, the tests it is sent, and its shutdown."""
+
+    def __init__(self, name: str) -> None:
+        self.gateway = type("Gateway", (), {"id": name})()
+        self.sent: list[int] = []
+        self.shutting_down = False
+
+    def send_runtest_some(self, indices: list[int]) -> None:
+        self.sent.extend(indices)
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+
+def test_a_replacement_still_collecting_is_skipped_when_another_finishes(tmp_path):
+    """Two workers dead at once: their replacements collect, and the first to finish makes the scheduler hand out
+    work while the other has no collection yet (xdist 3.8.0 raised KeyError there, an INTERNALERROR in CI). It gets
+    its share once its collection comes."""
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("miles_root_conftest", ROOT / "conftest.py")
+    root = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root)
+    config = pytest.Config.fromdictargs({"tx": ["2*popen"], "dist": "loadscope"}, [])
+    sched = root.pytest_xdist_make_scheduler(config, None)
+    collection = [f"test_{i}.py::test" for i in range(8)]
+    first, second = _Worker("gw0"), _Worker("gw1")
+    for node in (first, second):
+        sched.add_node(node)
+        sched.add_node_collection(node, collection)
+    sched.schedule()
+    assert first.sent and second.sent
+    for node, done in ((first, first.sent[0]), (second, second.sent[0])):
+        sched.mark_test_complete(node, done)
+    assert sched.remove_node(first) and sched.remove_node(second)  # both died, each in its second test
+    third, fourth = _Worker("gw2"), _Worker("gw3")
+    sched.add_node(third)
+    sched.add_node(fourth)
+    sched.add_node_collection(fourth, collection)
+    sched.schedule()  # gw2 has no collection yet
+    assert fourth.sent and not third.sent
+    sched.add_node_collection(third, collection)
+    sched.schedule()
+    assert third.sent

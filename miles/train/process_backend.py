@@ -112,7 +112,7 @@ def _serve(conn: Any, threads: int, driver: int, environ: dict[str, str]) -> Non
 
     import torch
 
-    server = os.getppid()  # the fork server, which ends when every holder of its "alive" pipe's write end has
+    server = os.getppid()  # the fork server, which ends once every holder of its "alive" pipe's write end closed it
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     from multiprocessing import forkserver
 

@@ -27,6 +27,13 @@ class RendezvousHost:
                                    wait_for_workers=False)
         self.address: tuple[str, int] = (host, self.store.port)
 
+    @classmethod
+    def on_this_ray_node(cls, world_size: int, timeout_s: float) -> RendezvousHost:
+        """Hosted at this Ray node's address (a backend's rank-0 worker, inside a Ray actor)."""
+        import ray
+
+        return cls(ray.util.get_node_ip_address(), world_size, timeout_s)
+
 
 def join_world(rank: int, world_size: int, address: tuple[str, int], timeout_s: float, device: torch.device,
                host: RendezvousHost | None = None) -> None:

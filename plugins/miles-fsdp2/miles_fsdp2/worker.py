@@ -77,9 +77,7 @@ class FSDPWorker:
 
     def address(self, timeout_s: float) -> tuple[str, int]:
         """Rank 0 hosts the process group's rendezvous on this node, bound now; its address goes to every rank."""
-        import ray
-
-        self.rendezvous = RendezvousHost(ray.util.get_node_ip_address(), self.world_size, timeout_s)
+        self.rendezvous = RendezvousHost.on_this_ray_node(self.world_size, timeout_s)
         return self.rendezvous.address
 
     def setup(self, master: tuple[str, int], model_path: str, seed: int, ref_model_path: str | None,

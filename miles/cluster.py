@@ -58,6 +58,9 @@ class RayCluster:
                 _remove_abandoned_temp_dirs()
                 temp_dir.mkdir(parents=True, exist_ok=True)
                 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+                # Ray starts its workers at nice 15, and the engines and training workers are its workers: beside
+                # any process at nice 0 (the driver, sandboxes, a compile) they got a few percent of a core
+                os.environ.setdefault("RAY_worker_niceness", "0")
                 custom = {name: _LOCAL_AMOUNT for name in {**(cfg.get("engine_resources") or {}),
                                                              **(cfg.get("train_resources") or {})}}
                 ray.init(num_cpus=num_cpus or cfg.num_cpus or os.cpu_count(),

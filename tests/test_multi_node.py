@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 # Ray on loopback, without the token of a secured cluster; a dead node is noticed within a few seconds.
 ROOT = Path(__file__).resolve().parents[1]
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_health_check_period_ms": "500",
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", "RAY_health_check_period_ms": "500",
            "RAY_health_check_failure_threshold": "4", "RAY_health_check_timeout_ms": "1000"}
 
 

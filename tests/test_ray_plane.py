@@ -83,6 +83,7 @@ class EngineKiller:
         import ray
 
         self.report["killed_pid"] = ray.get(actor.pid.remote())
+        self.report["niceness"] = os.getpriority(os.PRIO_PROCESS, self.report["killed_pid"])
         os.kill(self.report["killed_pid"], signal.SIGKILL)
 
     @miles.hookimpl
@@ -107,6 +108,7 @@ def test_engine_killed_mid_rollout_is_restarted_and_nothing_is_lost(tmp_path):
     assert sum(r["rollout/engine_failures"] for r in rows) == 1
     assert rows[2]["rollout/retries"] >= 1  # the held requests were retried on the other engine
     assert killer.report["killed_pid"] > 0
+    assert killer.report["niceness"] == 0  # Ray's default, 15, starved the engines beside any busy process
     # Restarted by Ray, caught up to the current weights before it rejoined: both engines agree.
     assert killer.report["versions_before_last_step"] == [steps - 1, steps - 1]
     assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
@@ -213,7 +215,7 @@ def test_joins_an_existing_ray_cluster(tmp_path, miles_cli):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}  # as docs/ray.md advises
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
     subprocess.run([*ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=3",
                     "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True)

@@ -59,7 +59,7 @@ def test_engines_join_and_leave_a_running_run_at_random_steps_and_nothing_is_los
     failures = {r["step"]: r["rollout/engine_failures"] for r in rows if r["rollout/engine_failures"]}
     assert not failures, f"engine failures at steps {failures} with the plan {plan}"
     in_service = [r["rollout/engines_in_service"] for r in rows]
-    assert max(in_service) == 3 and in_service[-1] == 1  # they joined (served once caught up), and left
+    assert max(in_service) == max(plan.values()) and in_service[-1] == 1  # they joined (served once caught up), left
     sizes = [1, *plan.values()]
     joins = sum(max(0, new - old) for old, new in zip(sizes, sizes[1:]))
     assert sum(r["rollout/readmissions"] for r in rows) == joins  # each engine that joined was caught up first

@@ -474,6 +474,35 @@ def test_an_engine_that_joins_a_running_fleet_serves_only_once_caught_up(rig, ti
     assert [e.weight_version for e in r.router.engines] == [3, 3, 3]
 
 
+@pytest.mark.parametrize("end", ["its catch-up ends", "its process is killed"])
+def test_an_engine_removed_during_its_catch_up_never_serves_and_is_no_failure(rig, tiny_model_dir, end):
+    """An elastic fleet can ask an engine that is still joining to leave (a join and a leave two steps apart, while
+    the engine catches up): it is removed at once, and neither the end of its catch-up (it was re-admitted: it
+    served after it left) nor its process killed by the fleet mid catch-up (counted in engine_failures) changes
+    that."""
+    r = rig()
+    r.plane.run(r.router.wait_healthy())
+    r.push()
+    port = free_port()
+    r.procs.append(serving(spawn_gated_engine(tiny_model_dir, port, "/update_weights_from_tensor")))
+    joining = r.plane.run(_add(r.router, f"http://127.0.0.1:{port}"))
+    r.procs[-1].stdout.readline()  # held in its catch-up
+    r.plane.run(r.router.remove_engine(joining))  # it holds no request: it is out at once
+    if end == "its catch-up ends":
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/test_release", data=b""),
+                               timeout=10)
+    else:
+        r.procs[-1].kill()
+        r.procs[-1].wait()
+    r.wait_until(lambda: not joining.lock.locked())  # the health check that ran the catch-up is over
+    assert joining.weight_version == (1 if end == "its catch-up ends" else 0)
+    assert joining.gone and joining.quarantined and r.router.healthy == r.router.engines[:2]
+    assert {a["meta_info"]["weight_version"] for a in r.generate(16)} == {1} and joining.served == 0
+    r.push()
+    assert [e.weight_version for e in r.router.engines[:2]] == [2, 2] and joining.weight_version <= 1
+    assert r.router.stats["engine_failures"] == 0 and r.router.stats["readmissions"] == 0
+
+
 def test_an_engine_that_leaves_gets_no_new_request_and_finishes_its_own(rig):
     """Router.remove_engine: engine 0 holds its share of a burst when it is removed; new requests go to engine 1
     only; its own finish there once released; it is never used again (without draining, its requests are aborted:

@@ -376,6 +376,8 @@ class Router:
         incarnation (a request sent before the engine failed and came back) is not its own."""
         if engine.down or (incarnation is not None and incarnation != engine.incarnation):
             return
+        if engine.gone:  # it left the fleet (remove_engine): what becomes of it, its process killed, is no failure
+            return
         engine.down = engine.quarantined = True
         engine.down_since = time.monotonic()
         engine.last_error = f"{type(error).__name__}: {error}"
@@ -462,6 +464,8 @@ class Router:
             return False
         except Exception as exc:  # it failed while catching up: stays out, tried again once it answers
             self._fail(engine, exc)
+            return False
+        if engine.gone:  # removed from the fleet during its catch-up: it never serves
             return False
         # No await between the end of the catch-up and here: a push cannot slip in between.
         engine.quarantined = False

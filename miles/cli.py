@@ -19,12 +19,18 @@ __all__ = ["main"]
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from miles.run.runner import prepare, train
+    from miles.config.prepared import prepare
+    from miles.run.settings import check_settings
 
     prepared = None
     try:
         with interrupts.handling():
             prepared = prepare(args.config, args.overrides)
+            # What `miles config` checks, before torch and transformers are imported: a misspelt key, a refused
+            # pair of options or an unusable run directory is reported in a second, not after the imports
+            check_settings(prepared)
+            from miles.run.runner import train
+
             train(prepared)
     except BaseException as exc:
         interrupted = interrupts.interruption(exc)

@@ -74,3 +74,28 @@ def test_a_train_batch_still_builds_its_tensors():
     batch = TrainBatch.from_samples([Sample([1, 2], response_ids=[3], loss_mask=[1], rollout_logprobs=[-0.5])], 0)
     assert batch.input_ids.tolist() == [[1, 2, 3]] and batch.loss_mask.tolist() == [[0.0, 1.0]]
     assert len(batch.select([0])) == 1
+
+
+REFUSED = """
+from miles.cli import main
+err = io.StringIO()
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+    code = main({argv!r})
+print(json.dumps([code, err.getvalue()]))
+"""
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rollout.n_sample=8"], "rollout.n_sample"),  # a misspelt key
+    (["backend.mini_batches=3"], "backend.mini_batches=3 does not divide rollout.prompts_per_step=16"),
+    (["run.dir=README.md"], "run.dir 'README.md' is a file"),  # a run directory that cannot be one
+])
+def test_miles_train_refuses_a_config_before_importing_torch(overrides, message):
+    """What ``miles config`` checks, ``miles train`` checks first: a typo costs a second, not torch's import."""
+    out = subprocess.run([sys.executable, "-c", PROBE.format(body=REFUSED.format(
+        argv=["train", "configs/quickstart.yaml", *overrides]), heavy=HEAVY)], capture_output=True, text=True,
+        timeout=300)
+    assert out.returncode == 0, out.stderr
+    (code, err), heavy = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
+    assert code == 2 and message in err, err
+    assert heavy == []

@@ -91,7 +91,8 @@ def test_a_custom_loss_plugin_receives_new_and_old_logprobs(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"])
 def test_every_estimator_trains_the_quickstart(estimator, tmp_path):
-    """grpo, the quickstart's own, is tests/test_quickstart.py::test_quickstart_learns."""
+    """grpo, the quickstart's own, is tests/test_quickstart.py::test_quickstart_learns. 120 of its 200 steps: the
+    reward rose 0.25-0.32 by then for each (Xeon, 2026-12-07; 0.14-0.24 at 80 steps)."""
     summary = train(prepare(CONFIG, [f"run.dir={tmp_path}", "run.progress=false", f"advantage.name={estimator}",
-                                     "run.eval_size=0"]))
+                                     "run.eval_size=0", "run.steps=120"]))
     assert summary["reward_end"] - summary["reward_start"] >= 0.2, summary

@@ -67,13 +67,6 @@ def test_layouts_the_model_cannot_take_are_refused_at_setup(tiny_model_dir, argu
     assert backend.workers == []
 
 
-def test_the_backend_is_registered_as_megatron():
-    from miles.testing import make_registry
-
-    registry = make_registry(autoload=True)
-    assert registry.get("backend", "megatron").obj is MegatronBackend
-
-
 def test_checkpoints_hold_megatron_distributed_weights(tiny_model_dir, tmp_path):
     """model/ is megatron.core.dist_checkpointing's format, written by a TP=2 run: a fresh one-process
     Megatron model (another layout) loads it, and its HF weights are the ones the run exported; a backend of

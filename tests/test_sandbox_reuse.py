@@ -168,8 +168,10 @@ def test_a_sandbox_whose_reset_fails_or_cannot_be_verified_is_discarded(how: str
         await first.close()  # discarded: the pool starts another in its place
         await pool.fill()
         second = pool()
+        other = second.lent
         fresh = await second.run_python("print(1)", timeout_s=30)
-        return sandbox, second.lent, fresh, dict(pool.counts)
+        await second.close()
+        return sandbox, other, fresh, dict(pool.counts)
 
     config = {"mounts": ["/app"]} if "mount" in how else {}
     sandbox, other, fresh, counts = run_pool(body, 1, workspace_root=workspace_root, **config)

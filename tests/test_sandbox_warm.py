@@ -5,6 +5,7 @@ random moment, timeouts, output caps, limits, 16 trajectories at once on a pool 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import random
@@ -324,10 +325,28 @@ def test_nothing_of_a_warm_sandbox_outlives_close() -> None:
 
 
 @pytest.mark.parametrize("isolation", MODES)
+def test_a_warm_sandbox_no_one_closed_ends_when_it_is_collected(isolation: str) -> None:
+    """A trajectory (or a plugin) that drops its sandbox without closing it: its interpreter (zygote and session)
+    ends when the sandbox is garbage-collected, not only when Miles exits."""
+    async def main():
+        sandbox = LocalSandbox(isolation=isolation, warm=True)
+        await sandbox.run_python("x = 1", timeout_s=60)
+        return interpreter_pid(sandbox, zygote=True), interpreter_pid(sandbox)  # dropped here, never closed
+
+    pids = asyncio.run(main())
+    assert all(_cmdline(pid) for pid in pids)  # nothing ended them yet
+    gc.collect()
+    deadline = time.monotonic() + 30  # as gone() polls: until they are gone, or at most this long
+    while (left := [pid for pid in pids if _cmdline(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == []
+
+
+@pytest.mark.parametrize("isolation", MODES)
 def test_no_interpreter_or_process_of_it_outlives_a_killed_miles(isolation: str, workspace_root: str) -> None:
     """The trainer SIGKILLed while a warm sandbox's call runs a process, or while a started sandbox waits in a
     pool: the lifeline (and the death signal) take the interpreter and everything it started with it."""
-    sleep = unique_sleep()
+    first, sleep = unique_sleep(), unique_sleep()  # each call's own: the first one's may still be seen ending
     script = textwrap.dedent(f"""
         import asyncio
         from miles.agentic.sandboxes.local import LocalSandbox
@@ -338,7 +357,7 @@ def test_no_interpreter_or_process_of_it_outlives_a_killed_miles(isolation: str,
                                                     workspace_root={workspace_root!r}), 2)
             await pool.fill()
             sandbox = pool()
-            await sandbox.run_python("import subprocess; subprocess.Popen({sleep.split()!r})", timeout_s=60)
+            await sandbox.run_python("import subprocess; subprocess.Popen({first.split()!r})", timeout_s=60)
             await pool.fill()  # what the pool starts in place of the one it lent has started: a count that holds
             await sandbox.run_python("import subprocess; subprocess.run({sleep.split()!r})", timeout_s=600)
 
@@ -357,7 +376,7 @@ def test_no_interpreter_or_process_of_it_outlives_a_killed_miles(isolation: str,
     finally:
         miles.send_signal(signal.SIGKILL)
         miles.wait()
-    assert gone(sleep) == []
+    assert gone(sleep) == [] and gone(first) == []
     deadline = time.monotonic() + 30  # as gone() polls: until they are gone, or at most this long
     while (left := [pid for pid in interpreters if _cmdline(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -384,7 +403,8 @@ def test_16_trajectories_on_a_pool_of_4_lose_nothing_and_never_share_a_sandbox(w
                                          files={"who.txt": str(i).encode()})
         await everyone.wait()  # all 16 hold their sandbox at once
         if i == 0:  # this test's interpreters (other tests' may run beside it, on other workers)
-            ours.extend(pid for pid in SandboxConformance.pids_running(SERVER) if _descends_from(pid, os.getpid()))
+            ours.extend(pid for pid in SandboxConformance.pids_running(SERVER)
+                        if _descends_from(pid, os.getpid()) and pid not in earlier)
         second = await sandbox.run_python("print(mine, open('who.txt').read())", timeout_s=60)
         await sandbox.close()
         return sandbox, first.stdout, second.stdout
@@ -409,7 +429,7 @@ def test_16_trajectories_on_a_pool_of_4_lose_nothing_and_never_share_a_sandbox(w
     deadline = time.monotonic() + 30  # as gone() polls: until they are gone, or at most this long
     while (left := [pid for pid in ours if _cmdline(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert left == [], ("an interpreter outlived the pool", {pid: (_cmdline(pid)[:80], pid in earlier) for pid in left})
+    assert left == [], ("an interpreter outlived the pool", {pid: _cmdline(pid)[:80] for pid in left})
     assert os.listdir(workspace_root) == []
 
 

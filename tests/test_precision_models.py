@@ -5,7 +5,10 @@ is what the engine holds, and QAT's forward equals the engine's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from miles.engine.local import LocalEngine
 from miles.models.hf import load_model, load_tokenizer
 from miles.precision.experts import QuantizedExperts
 from miles.precision.linear import dequantize_weights, quantize_weights, target_modules
-from miles.precision.schemes import BUILTIN_SCHEMES
+from miles.precision.schemes import BUILTIN_SCHEMES, Fp8Block
 from miles.rollout.context import RolloutContext
 from miles.rollout.single_turn import single_turn
 from miles.testing import build_tiny_model, build_vlm
@@ -106,3 +109,85 @@ def test_moe_trains_with_fp8_rollout_and_r3(tmp_path, capsys):
                  "sft.steps=5", "run.steps=2", "rollout.prompts_per_step=4", "run.eval_size=4",
                  "rollout.precision=fp8_block", "rollout.return_routed_experts=true",
                  "backend.routing_replay=true"]) == 0
+
+
+def published_fp8_moe(source: Path, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A Qwen3-MoE checkpoint in the layout Qwen3-30B-A3B-FP8 is published in: each expert's ``gate_proj``,
+    ``up_proj`` and ``down_proj`` a layer of its own (``mlp.experts.<e>.gate_proj.weight``), every decoder linear
+    in E4M3 with a ``weight_scale_inv`` per 128x128 block, the router and the embeddings in high precision. Also
+    the float weights it holds, in the same per-expert layout (each quantized layer dequantized)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, out)
+    model = load_model(source)
+    per_expert: dict[str, torch.Tensor] = {}
+    for key, tensor in model.state_dict().items():
+        prefix, _, leaf = key.rpartition(".")
+        if prefix.endswith(".experts") and leaf == "gate_up_proj":
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                per_expert[f"{prefix}.{e}.gate_proj.weight"] = gate[e].contiguous()
+                per_expert[f"{prefix}.{e}.up_proj.weight"] = up[e].contiguous()
+        elif prefix.endswith(".experts") and leaf == "down_proj":
+            for e in range(tensor.shape[0]):
+                per_expert[f"{prefix}.{e}.down_proj.weight"] = tensor[e].contiguous()
+        elif key != "lm_head.weight" or not model.config.tie_word_embeddings:
+            per_expert[key] = tensor.contiguous()
+    dense = [name for name in target_modules(model) if not name.endswith(("gate_up_proj", "down_proj"))
+             or not name.rpartition(".")[0].endswith(".experts")]
+    layers = dense + [k.removesuffix(".weight") for k in per_expert if ".experts." in k]
+    stored = quantize_weights(per_expert, Fp8Block(), layers)
+    (out / "model.safetensors").unlink()
+    save_file(stored, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128],
+                                     "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out, dequantize_weights(stored, Fp8Block(), layers)
+
+
+def test_a_published_per_expert_fp8_moe_checkpoint_loads_as_transformers_fuses_it_and_trains(tmp_path, moe_dir):
+    """What a float checkpoint in the per-expert layout becomes in transformers (its own conversion fuses the
+    experts into ``gate_up_proj`` and ``down_proj``) is what Miles makes of the FP8 one: the same tensors, bit for
+    bit; then it trains as model.path with FP8 rollout."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    fp8, floats = published_fp8_moe(Path(moe_dir), tmp_path / "fp8")
+    assert any(".experts.1.up_proj.weight" in k for k in floats)
+    reference = tmp_path / "float"
+    shutil.copytree(moe_dir, reference)
+    save_file(floats, str(reference / "model.safetensors"))
+    expected = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).state_dict()
+    ours = load_model(fp8).state_dict()
+    assert sorted(ours) == sorted(expected)
+    assert all(torch.equal(ours[k], expected[k]) for k in expected), [k for k in expected
+                                                                      if not torch.equal(ours[k], expected[k])]
+    plain = load_model(moe_dir).state_dict()[f"{EXPERTS}.gate_up_proj"]
+    assert not torch.equal(ours[f"{EXPERTS}.gate_up_proj"], plain)  # the experts were quantized, and read back
+    assert main(["train", "configs/quickstart.yaml", f"run.dir={tmp_path / 'run'}", f"model.path={fp8}",
+                 "sft.steps=0", "run.steps=2", "rollout.prompts_per_step=4", "run.eval_size=4",
+                 "rollout.precision=fp8_block"]) == 0
+
+
+@pytest.mark.parametrize("gone", ["one layer", "the last expert"])
+def test_a_per_expert_checkpoint_with_an_expert_missing_is_refused_naming_it(gone, tmp_path, moe_dir, capsys):
+    from safetensors.torch import load_file, save_file
+
+    fp8, _ = published_fp8_moe(Path(moe_dir), tmp_path / "fp8")
+    tensors = load_file(fp8 / "model.safetensors")
+    last = max(int(k.split(".")[5]) for k in tensors if k.startswith(f"{EXPERTS}."))
+    layers = [f"{EXPERTS}.1.up_proj"] if gone == "one layer" else [f"{EXPERTS}.{last}.{part}" for part in
+                                                                     ("gate_proj", "up_proj", "down_proj")]
+    for layer in layers:
+        del tensors[f"{layer}.weight"], tensors[f"{layer}.weight_scale_inv"]
+    save_file(tensors, str(fp8 / "model.safetensors"))
+    assert main(["train", "configs/quickstart.yaml", f"run.dir={tmp_path / 'run'}", f"model.path={fp8}",
+                 "sft.steps=0", "run.steps=1"]) == 2
+    err = capsys.readouterr().err
+    if gone == "one layer":  # seen from the names alone, before the run directory is made
+        assert f"{layers[0]}.weight missing" in err and "has gate_proj, up_proj, down_proj for every expert" in err
+        assert not (tmp_path / "run").exists()
+    else:  # seen against the model's number of experts
+        assert f"{EXPERTS}: the checkpoint holds {last} experts one layer each, the model has {last + 1}" in err, err

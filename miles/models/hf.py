@@ -339,10 +339,14 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrain
     config = AutoConfig.from_pretrained(_check_dir(path))
     if getattr(config, "quantization_config", None):
         from miles.precision.checkpoint import read_float_weights
+        from miles.precision.experts import fuse_per_expert
 
-        weights = read_float_weights(path)
         del config.quantization_config
         model = _model_class(config).from_config(config, dtype=torch.float32)  # buffers made; weights replaced below
+        try:
+            weights = fuse_per_expert(read_float_weights(path), model.state_dict())
+        except ValueError as exc:
+            raise ConfigError(f"model.path {str(path)!r}: {exc}") from exc
         problems = model.load_state_dict(weights, strict=False)
         model.tie_weights()
         if missing := problems.missing_keys:

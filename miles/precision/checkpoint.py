@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from miles.errors import ConfigError
+from miles.precision.experts import missing_experts
 from miles.precision.linear import dequantize_weights, quantize_weights, shape_problems, target_modules
 from miles.precision.schemes import Fp8Block, Scheme, from_spec
 
@@ -147,6 +148,8 @@ def check_stored_form(path: str | Path) -> None:
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(file, "pt") as f:
             dtypes.update({name: f.get_slice(name).get_dtype() for name in f.keys()})
+    if problem := missing_experts(dtypes):
+        raise ConfigError(f"{path}: {problem}")
     missing = [f"{layer}.{s}" for layer in layers for s in scheme.stored if f"{layer}.{s}" not in dtypes]
     if missing:
         raise ConfigError(f"{path}: {', '.join(missing[:8])} missing (each {scheme.name} layer holds "

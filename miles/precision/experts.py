@@ -12,7 +12,8 @@ precision, and routing replay (R3) is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from miles.lazy import lazy_module
@@ -21,7 +22,7 @@ from miles.precision.schemes import Scheme
 torch = lazy_module("torch")
 
 __all__ = ["EXPERT_PARAMS", "expert_targets", "is_experts", "stored_name", "quantize_stack", "dequantize_stack",
-           "QuantizedExperts", "experts_forward"]
+           "missing_experts", "fuse_per_expert", "QuantizedExperts", "experts_forward"]
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -51,6 +52,52 @@ def quantize_stack(scheme: Scheme, weights: torch.Tensor) -> dict[str, torch.Ten
 def dequantize_stack(scheme: Scheme, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
     experts = next(iter(stored.values())).shape[0]
     return torch.stack([scheme.dequantize({s: t[e] for s, t in stored.items()}) for e in range(experts)])
+
+
+_ONE_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+PER_EXPERT = ("gate_proj", "up_proj", "down_proj")
+
+
+def missing_experts(names: Iterable[str]) -> str | None:
+    """What a checkpoint that publishes the experts one layer each (``<block>.<e>.gate_proj.weight``, as Qwen3-MoE
+    and DeepSeek checkpoints name them) lacks, in words, or None: every expert of a block, up to the highest index
+    it names, has its ``gate_proj``, ``up_proj`` and ``down_proj``."""
+    names = set(names)
+    blocks: dict[str, int] = {}
+    for name in names:
+        if found := _ONE_EXPERT.match(name):
+            blocks[found[1]] = max(blocks.get(found[1], 0), int(found[2]) + 1)
+    missing = [f"{block}.{e}.{part}.weight" for block, count in blocks.items() for e in range(count)
+               for part in PER_EXPERT if f"{block}.{e}.{part}.weight" not in names]
+    if not missing:
+        return None
+    return (f"{', '.join(sorted(missing)[:8])} missing: a checkpoint that holds the experts one layer each has "
+            f"{', '.join(PER_EXPERT)} for every expert")
+
+
+def fuse_per_expert(weights: dict[str, torch.Tensor], model: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's float weights with the experts published one layer each stacked into the block parameters of
+    ``model`` (its state dict): ``<block>.gate_up_proj [E, 2I, H]``, each expert's gate rows then its up rows, and
+    ``<block>.down_proj [E, H, I]``, as transformers' own conversion fuses them. Blocks the checkpoint holds fused
+    are left as they are. A ValueError says what is missing, or which block holds another number of experts."""
+    if problem := missing_experts(weights):
+        raise ValueError(problem)
+    counts: dict[str, int] = {}  # block -> experts it holds one layer each
+    for name in weights:
+        if (found := _ONE_EXPERT.match(name)) and found[3] == "down_proj":
+            counts[found[1]] = counts.get(found[1], 0) + 1
+    out = dict(weights)
+    for key, like in model.items():
+        block, _, param = key.rpartition(".")
+        if param not in EXPERT_PARAMS or key in weights or not (count := counts.get(block, 0)):
+            continue
+        parts = ("gate_proj", "up_proj") if param == "gate_up_proj" else ("down_proj",)
+        if count != like.shape[0]:
+            raise ValueError(f"{block}: the checkpoint holds {count} experts one layer each, the model has "
+                             f"{like.shape[0]} (its config's number of experts)")
+        out[key] = torch.stack([torch.cat([out.pop(f"{block}.{e}.{part}.weight") for part in parts])
+                                for e in range(count)])
+    return out
 
 
 def experts_forward(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -45,7 +45,10 @@ def target_modules(model: Any, include: Sequence[str] = (), exclude: Sequence[st
 
 
 def _is_expert(name: str) -> bool:
-    return name.rpartition(".")[2] in experts.EXPERT_PARAMS and ".experts" in name
+    """An experts block's stacked parameter (``...mlp.experts.down_proj``), not one expert's own layer
+    (``...mlp.experts.3.down_proj``, as checkpoints published per expert name them)."""
+    owner, _, param = name.rpartition(".")
+    return param in experts.EXPERT_PARAMS and owner.endswith(".experts")
 
 
 def shape_problems(model: Any, scheme: Scheme, names: Iterable[str]) -> list[str]:
@@ -145,7 +148,7 @@ def dequantize_weights(weights: Mapping[str, torch.Tensor], scheme: Scheme,
     owner: dict[str, tuple[str, str]] = {}  # stored tensor name -> (target, suffix)
     for name in names:
         for suffix in scheme.stored:
-            owner[experts.stored_name(name, suffix) if _is_expert(name) else f"{name}.{suffix}"] = (name, suffix)
+            owner[_stored_key(name, suffix)] = (name, suffix)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in weights.items():
         if key not in owner:
@@ -155,12 +158,17 @@ def dequantize_weights(weights: Mapping[str, torch.Tensor], scheme: Scheme,
         float_name = name if _is_expert(name) else f"{name}.weight"
         if float_name in out:
             continue
-        stored = {suffix: weights.get(k) for k, (n, suffix) in owner.items() if n == name}
-        if missing := [k for k, (n, suffix) in owner.items() if n == name and stored[suffix] is None]:
+        keys = {suffix: _stored_key(name, suffix) for suffix in scheme.stored}
+        stored = {suffix: weights.get(k) for suffix, k in keys.items()}
+        if missing := [k for suffix, k in keys.items() if stored[suffix] is None]:
             raise ValueError(f"{scheme.name}: {', '.join(missing)} missing (each quantized layer holds "
                              f"{', '.join(scheme.stored)})")
         out[float_name] = (experts.dequantize_stack if _is_expert(name) else _dequantize_one)(scheme, stored)
     return out
+
+
+def _stored_key(name: str, suffix: str) -> str:
+    return experts.stored_name(name, suffix) if _is_expert(name) else f"{name}.{suffix}"
 
 
 def _dequantize_one(scheme: Scheme, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:

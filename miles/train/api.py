@@ -28,6 +28,8 @@ and ``miles.testing``. It covers:
   :func:`check_lora_targets` (a config error before workers start), :func:`export_lora_weights` (what weight sync
   sends), :func:`merged_weights` (for ``save_pretrained``), :func:`adapter_state` / :func:`load_adapter_state`
   (checkpoints);
+- low precision (``backend.qat``, ``backend.precision``): :func:`quantized_training` applies them to a model, before
+  sharding (the layers keep their parameters: the state dict is unchanged);
 - errors: :class:`ConfigError` (bad backend arguments, exit code 2), :class:`RunError`.
 
 The conformance suite is ``miles.testing.BackendConformance``; docs/backends.md shows a backend
@@ -52,7 +54,8 @@ from miles.lazy import lazy_exports
 # imported when first read (they import torch and transformers): a backend module that imports this one, read to
 # check a config's arguments, stays light as long as it reads these inside its methods
 _LAZY = {"load_model": "miles.models.hf", "load_critic": "miles.models.hf", "save_pretrained": "miles.models.hf",
-         "save_state_dict": "miles.models.hf", "token_logprobs": "miles.train.logprobs"}
+         "save_state_dict": "miles.models.hf", "token_logprobs": "miles.train.logprobs",
+         "quantized_training": "miles.precision.training"}
 __getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [

@@ -51,9 +51,6 @@ class FSDP2Backend(RayWorkersBackend):
         if cpus_per_worker <= 0:
             raise ValueError(f"cpus_per_worker must be positive, got {cpus_per_worker}")
         self.options = TrainOptions(**options)
-        if self.options.qat is not None or self.options.precision is not None:
-            raise ConfigError("backend.qat, backend.precision: the fsdp2 backend does not quantize its layers yet; "
-                              "QAT and low-precision training run with the torch backend (docs/precision.md)")
         check_kernel_name(self.options.logprob_kernel)  # each worker then picks the kernel for its device
         self.world_size, self.cpus_per_worker = world_size, cpus_per_worker
         self.startup_timeout_s, self.collective_timeout_s = startup_timeout_s, collective_timeout_s

@@ -36,6 +36,7 @@ from miles.train.api import (
     load_critic,
     load_model,
     merged_weights,
+    quantized_training,
     resolve_device,
     rng_state,
     set_rng_state,
@@ -89,6 +90,7 @@ class FSDPWorker:
         mesh = init_device_mesh(device.type, (self.world_size,))
         torch.manual_seed(seed)
         model = load_model(model_path)
+        quantized_training(model, qat=self.options.qat, precision=self.options.precision)  # before sharding, as LoRA
         if self.options.lora is not None:  # adapters before sharding: FSDP2 shards frozen and trained parameters alike
             apply_lora(model, self.options.lora)
         model = shard(model.to(device), mesh).train()

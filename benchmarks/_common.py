@@ -12,15 +12,17 @@ CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.ya
 ROLLING = 10
 
 
-def sft_checkpoint(run_dir: Path, seed: int) -> tuple[Path, Path]:
-    """The quickstart's SFT model made by Miles' own recipe, and its training data file."""
-    train(prepare(CONFIG, [f"run.dir={run_dir}", "run.steps=0", "run.progress=false", f"run.seed={seed}"]))
+def sft_checkpoint(run_dir: Path, seed: int, config: str = CONFIG) -> tuple[Path, Path]:
+    """A recipe's SFT model (the quickstart's unless ``config``) made by Miles' own recipe, and its training data
+    file."""
+    train(prepare(config, [f"run.dir={run_dir}", "run.steps=0", "run.progress=false", f"run.seed={seed}"]))
     return run_dir / "sft_model", run_dir / "data" / "train.jsonl"
 
 
-def miles_grpo_phase(model_dir: Path, train_file: Path, run_dir: Path, overrides: list[str]) -> list[dict]:
-    """Per-step metrics of the quickstart's RL phase from ``model_dir``."""
-    train(prepare(CONFIG, [f"run.dir={run_dir}", f"model.path={model_dir}", f"data.train_path={train_file}",
+def miles_grpo_phase(model_dir: Path, train_file: Path, run_dir: Path, overrides: list[str],
+                     config: str = CONFIG) -> list[dict]:
+    """Per-step metrics of a recipe's RL phase (the quickstart's unless ``config``) from ``model_dir``."""
+    train(prepare(config, [f"run.dir={run_dir}", f"model.path={model_dir}", f"data.train_path={train_file}",
                            "sft.steps=0", "run.eval_size=0", "run.progress=false", *overrides]))
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -1,10 +1,12 @@
-"""Low precision side by side: the quickstart with every rollout and training precision, the same seeds.
+"""Low precision side by side: a recipe with every rollout and training precision, the same seeds.
 
 For each variant: the bytes of a weight push (the stored form against the same weights in bfloat16), the engine's
 weight memory, the engine/trainer mismatch (mean |log-prob gap| and KL of the sampled tokens, and the share of tokens
-TIS masked where it is on), and the final train reward (mean of the last 20 steps), each the mean over ``--seeds``.
+TIS masked where it is on), and the final train reward (mean of the last ``--last`` steps), each the mean over
+``--seeds``. The quickstart runs whole for each variant (its SFT is part of the run); the ReTool recipe's SFT
+(560 steps) runs once per seed, in bfloat16, and each variant's RL phase starts from it.
 
-    python benchmarks/precision.py [--steps 200] [--seeds 0 1] [--only NAME ...]
+    python benchmarks/precision.py [--recipe quickstart|retool] [--steps N] [--seeds 0 1] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from statistics import fmean
 
 import torch
 
-from _common import CONFIG
+from _common import CONFIG, miles_grpo_phase, sft_checkpoint
 from miles.engine.local import LocalEngine
 from miles.precision.schemes import BUILTIN_SCHEMES
 from miles.run.runner import prepare, train
@@ -35,16 +37,22 @@ VARIANTS: dict[str, list[str]] = {
     "mxfp8 training": ["backend.precision=mxfp8"],
     "nvfp4 training": ["backend.precision=nvfp4"],
 }
-LAST = 20
+RETOOL = str(Path(__file__).resolve().parent.parent / "configs" / "retool.yaml")
+RECIPES = {"quickstart": (CONFIG, 200, 20), "retool": (RETOOL, 30, 10)}  # config, RL steps, steps averaged
 
 
-def run(root: Path, name: str, seed: int, steps: int, overrides: list[str]) -> dict[str, float]:
+def run(root: Path, name: str, seed: int, steps: int, last: int, overrides: list[str],
+        sft: tuple[Path, Path] | None = None, config: str = CONFIG) -> dict[str, float]:
+    """One variant's figures; with ``sft`` (a model and its data) the recipe's RL phase from it."""
     run_dir = root / f"{name.replace(' ', '_')}-{seed}"
-    train(prepare(CONFIG, [f"run.dir={run_dir}", f"run.steps={steps}", f"run.seed={seed}", "run.progress=false",
-                           *overrides]))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    common = [f"run.steps={steps}", f"run.seed={seed}", *overrides]
+    if sft is None:
+        train(prepare(config, [f"run.dir={run_dir}", "run.progress=false", *common]))
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    else:
+        rows = miles_grpo_phase(*sft, run_dir, common, config=config)
     rows = [r for r in rows if "train/rollout_logprob_abs_diff" in r]
-    out = {"reward": fmean(r["reward/mean"] for r in rows[-LAST:]),
+    out = {"reward": fmean(r["reward/mean"] for r in rows[-last:]),
            "gap": fmean(r["train/rollout_logprob_abs_diff"] for r in rows),
            "kl": fmean(r["train/rollout_kl"] for r in rows),
            "masked": fmean(r.get("train/is_clipped_frac", 0.0) for r in rows)}
@@ -64,23 +72,30 @@ def engine_bytes(model_dir: Path, scheme: str | None) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--recipe", choices=list(RECIPES), default="quickstart")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps (the quickstart: 200, ReTool: 30)")
+    parser.add_argument("--last", type=int, default=None, help="steps the final reward averages (20, 10)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--only", nargs="*", default=None, help="variant names (substrings) to run")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    config, steps, last = RECIPES[args.recipe]
+    steps, last = args.steps or steps, args.last or last
     variants = {k: v for k, v in VARIANTS.items() if not args.only or any(s in k for s in args.only)}
     results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        sft = ({seed: sft_checkpoint(root / f"sft-{seed}", seed, config) for seed in args.seeds}
+               if args.recipe == "retool" else {})
         for name, overrides in variants.items():
-            results[name] = [run(root, name, seed, args.steps, overrides) for seed in args.seeds]
+            results[name] = [run(root, name, seed, steps, last, overrides, sft.get(seed), config)
+                             for seed in args.seeds]
             print(f"... {name}: done", flush=True)
         model = next(root.glob("*/init_model"))
         bf16_params = engine_bytes(model, None)
         memory = {scheme: engine_bytes(model, scheme) for scheme in ["fp8_block", "int4_w4a16"]}
     baseline = fmean(r["reward"] for r in results.get("bf16 (baseline)", [{"reward": float("nan")}]))
-    print(f"\nquickstart, {args.steps} steps, seeds {args.seeds}; reward: mean of the last {LAST} steps")
+    print(f"\n{args.recipe}, {steps} RL steps, seeds {args.seeds}; reward: mean of the last {last} steps")
     print(f"{'variant':<42} {'reward':>7} {'vs bf16':>8} {'|gap|':>9} {'KL':>9} {'masked':>7} {'push/bf16':>9}")
     for name, runs in results.items():
         reward = fmean(r["reward"] for r in runs)

@@ -5,7 +5,7 @@ the policy at step 0), speculating at every step. Without ``speculative.train`` 
 and its proposals are kept less often as the policy learns; with it, the draft learns each step's rollouts and
 its acceptance holds. Prints the acceptance every ``--every`` steps (means over the steps since the last row).
 
-    python benchmarks/speculative_training.py [--steps 200] [--seed 0] [--lr 1e-3]
+    python benchmarks/speculative_training.py [--steps 200] [--seed 0] [--lr 3e-4] [--window 8]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--window", type=int, default=8, help="speculative.train_window: steps of rollouts learnt")
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--policy-lr", type=float, default=None, help="backend.lr (the quickstart's by default)")
     args = parser.parse_args()
@@ -35,13 +36,14 @@ def main() -> None:
         runs = {}
         for train in (False, True):
             spec = (f"{{draft: {{path: {model}}}, num_tokens: 2, when: always, force: true, "
-                    f"train: {str(train).lower()}, lr: {args.lr}}}")
+                    f"train: {str(train).lower()}, lr: {args.lr}, train_window: {args.window}}}")
             rows = miles_grpo_phase(model, data, root / f"train-{train}", [
                 f"run.steps={args.steps}", f"run.seed={args.seed}", f"rollout.engine.speculative={spec}",
                 *([f"backend.lr={args.policy_lr}"] if args.policy_lr else [])])
             runs[train] = [r for r in rows if "rollout/spec_accept_rate" in r]
     print(f"quickstart GRPO from its SFT model, {args.steps} steps, seed {args.seed}; the draft starts as the SFT "
-          f"model; 2 proposals a step; draft lr {args.lr}; policy lr {args.policy_lr or 'as the quickstart'}")
+          f"model; 2 proposals a step; draft lr {args.lr}, window {args.window}; "
+          f"policy lr {args.policy_lr or 'as the quickstart'}")
     print(f"{'steps':>9} {'reward':>7} {'kept (fixed draft)':>19} {'reward':>7} {'kept (trained draft)':>21} "
           f"{'draft loss':>10}")
     fixed, trained = runs[False], runs[True]

@@ -2,6 +2,7 @@
 distribution exactly, greedy decoding gives plain decoding's tokens, and the log-probs are the target's."""
 
 import asyncio
+import copy
 import itertools
 import json
 import logging
@@ -455,7 +456,8 @@ def test_a_draft_that_learns_the_policys_samples_is_kept_more_often(target_dir, 
     """A draft built at random learns 768 of the target's samples (DraftLearner, as rollout.engine.speculative.train
     does each step) and is pushed to the engine: its proposals are kept more often, the loss fell, and a tool's
     tokens (loss mask 0) are not learnt. Learning the policy's distributions (its exported weights) teaches more;
-    a backend that exports adapters only leaves the sampled tokens' cross-entropy."""
+    a backend that exports adapters only leaves the sampled tokens' cross-entropy. (Ten passes over the same
+    rollouts: the learners keep a window of one step.)"""
     from miles.loop.draft import DraftLearner
     from miles.rollout.plane import RolloutPlane
     from miles.types import Group, Sample, SampleStatus
@@ -463,7 +465,7 @@ def test_a_draft_that_learns_the_policys_samples_is_kept_more_often(target_dir, 
     spec = {"draft": {"build": {"num_layers": 1}}, "num_tokens": 3, "when": "always", "force": True, "train": True}
     engine = _engine(target_dir, spec)
     plane = RolloutPlane(local_engines=[engine])
-    learner = DraftLearner(SpeculativeConfig.parse(spec), str(target_dir), seed=1, lr=1e-2)
+    learner = DraftLearner(SpeculativeConfig.parse(spec), str(target_dir), seed=1, lr=1e-2, window=1)
     learner.push(plane)
     assert all(torch.equal(engine.draft.state_dict()[n[6:]], t) for n, t in learner.weights().items())
     params = {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0.3}
@@ -492,7 +494,7 @@ def test_a_draft_that_learns_the_policys_samples_is_kept_more_often(target_dir, 
         def export_weights(self):
             return {n: t.clone() for n, t in engine.model.state_dict().items()}
 
-    distilled = DraftLearner(SpeculativeConfig.parse(spec), str(target_dir), seed=1, lr=1e-2)
+    distilled = DraftLearner(SpeculativeConfig.parse(spec), str(target_dir), seed=1, lr=1e-2, window=1)
     kl = [distilled.learn(groups, Policy())["rollout/spec_draft_loss"] for _ in range(10)]
     assert kl[-1] < kl[0] / 2  # the KL to the policy's own distribution, at the samples' temperature (0.3)
     distilled.push(plane)
@@ -502,9 +504,54 @@ def test_a_draft_that_learns_the_policys_samples_is_kept_more_often(target_dir, 
         def export_weights(self):
             return {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64)}
 
-    fallback = DraftLearner(SpeculativeConfig.parse(spec), str(target_dir), seed=1, lr=1e-2)
+    fallback = DraftLearner(SpeculativeConfig.parse(spec), str(target_dir), seed=1, lr=1e-2, window=1)
     assert fallback.learn(groups, Adapters())["rollout/spec_draft_loss"] == pytest.approx(losses[0], rel=1e-4)
     engine.close()
+
+
+def test_a_draft_learns_the_rollouts_of_the_last_train_window_steps(target_dir):
+    """``train_window``: each step the draft learns, towards the policy of now, that step's rollouts after those of
+    the steps before it in the window (oldest first): with a window of 2, learning A then B is learning A then A and
+    B together, and the step before the window is no longer learnt. The window is in the checkpoint: a loaded draft
+    goes on as the saved one. (That a window keeps the draft closer to a moving policy is
+    benchmarks/speculative_training.py's figure.)"""
+    from miles.loop.draft import DraftLearner
+    from miles.types import Group, Sample, SampleStatus
+
+    gen = torch.Generator().manual_seed(0)
+
+    def step_groups():  # 32 samples: two batches of 16
+        groups = []
+        for i in range(32):
+            sample = Sample(prompt_ids=torch.randint(1, 14, (4,), generator=gen).tolist(), group_index=i,
+                            status=SampleStatus.COMPLETED, reward=0.0)
+            sample.append(torch.randint(1, 14, (8,), generator=gen).tolist(), None, from_policy=True)
+            groups.append(Group(index=i, samples=[sample]))
+        return groups
+
+    class Policy:  # what the learner reads of a backend: the target's weights
+        def export_weights(self):
+            return load_model(target_dir).state_dict()
+
+    spec = {"draft": {"build": {"num_layers": 1}}, "num_tokens": 2, "train": True}
+
+    def learner(window):
+        config = SpeculativeConfig.parse({**spec, "train_window": window})
+        return DraftLearner(config, str(target_dir), seed=1, lr=1e-3, window=config.train_window)
+
+    a, b, c = step_groups(), step_groups(), step_groups()
+    windowed, single = learner(2), learner(1)
+    assert windowed.learn(a, Policy()) == single.learn(a, Policy())
+    assert windowed.learn(b, Policy()) == single.learn(a + b, Policy())
+    assert windowed.learn(c, Policy()) == single.learn(b + c, Policy())  # a has left the window
+    assert all(torch.equal(t, single.model.state_dict()[k]) for k, t in windowed.model.state_dict().items())
+
+    loaded = learner(2)
+    loaded.load_state_dict(copy.deepcopy(windowed.state_dict()))  # as a checkpoint holds it: not the live tensors
+    later = step_groups()
+    assert loaded.learn(later, Policy()) == windowed.learn(later, Policy())
+    with pytest.raises(ValueError, match="train_window: expected an integer >= 1, got 0"):
+        SpeculativeConfig.parse({**spec, "train_window": 0})
 
 
 def test_a_served_engine_speculates_and_takes_the_drafts_pushes_over_http(target_dir, draft_dir, tmp_path):

@@ -52,6 +52,7 @@ class SpeculativeConfig:
     tail_rows: int = 16  # up to here a decode step is bound by reading the weights (benchmarks/speculative.py)
     train: bool = False
     lr: float = 3e-4
+    train_window: int = 8  # steps of rollouts the draft learns each step (benchmarks/speculative_training.py)
     force: bool = False
 
     @classmethod
@@ -59,7 +60,7 @@ class SpeculativeConfig:
         """``spec`` as ``rollout.engine.speculative`` holds it; a ValueError names what is wrong."""
         if not isinstance(spec, dict):
             raise ValueError(f"speculative: expected a mapping with draft and num_tokens, got {spec!r}")
-        known = {"draft", "num_tokens", "when", "tail_rows", "train", "lr", "force"}
+        known = {"draft", "num_tokens", "when", "tail_rows", "train", "lr", "train_window", "force"}
         if unknown := sorted(set(spec) - known):
             raise ValueError(f"speculative: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         draft = spec.get("draft")
@@ -83,13 +84,15 @@ class SpeculativeConfig:
         elif not isinstance(draft["path"], str) or not draft["path"]:
             raise ValueError(f"speculative.draft.path: expected a model directory, got {draft['path']!r}")
         out = cls(draft=dict(draft), **{k: spec[k] for k in ("num_tokens", "when", "tail_rows", "train", "lr",
-                                                                       "force") if k in spec})
+                                                                       "train_window", "force") if k in spec})
         if not _positive_int(out.num_tokens) or out.num_tokens > 16:
             raise ValueError(f"speculative.num_tokens: expected an integer in [1, 16], got {out.num_tokens!r}")
         if out.when not in WHEN:
             raise ValueError(f"speculative.when: expected one of {', '.join(WHEN)}, got {out.when!r}")
         if not _positive_int(out.tail_rows):
             raise ValueError(f"speculative.tail_rows: expected an integer >= 1, got {out.tail_rows!r}")
+        if not _positive_int(out.train_window):
+            raise ValueError(f"speculative.train_window: expected an integer >= 1, got {out.train_window!r}")
         if isinstance(out.lr, bool) or not isinstance(out.lr, (int, float)) or not 0 < out.lr < 1:
             raise ValueError(f"speculative.lr: expected a learning rate in (0, 1), got {out.lr!r}")
         for name in ("train", "force"):

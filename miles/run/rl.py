@@ -43,7 +43,7 @@ def draft_learner(engine_args: dict, model_path: str, seed: int) -> DraftLearner
     spec = engine_args.get("speculative")
     if not spec or not (config := SpeculativeConfig.parse(dict(spec))).train:
         return None
-    return DraftLearner(config, model_path, seed, lr=float(config.lr))
+    return DraftLearner(config, model_path, seed, lr=float(config.lr), window=config.train_window)
 
 class RLPhase:
     """Built on the model in ``model_path``: the weight transport, the rollout plane, the backend, the learner

@@ -343,6 +343,8 @@ class E2BStandIn:
             return _error(500, "stand-in: injected failure of envd")
         box = self._box(request)
         body = await request.read()
+        if self.boxes.get(box.sandbox_id) is not box:  # deleted while the body was read: as the middleware says
+            return _error(502, "The sandbox was not found")  # (a command registered later would never be killed)
         _, size = struct.unpack(">BI", body[:5])
         process = json.loads(body[5:5 + size]).get("process", {})
         command = shlex.join([process["cmd"], *process.get("args", [])])

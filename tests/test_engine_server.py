@@ -20,15 +20,9 @@ import torch
 from safetensors.torch import save as save_safetensors
 from transformers import AutoModelForCausalLM
 
-from miles.testing import build_tiny_model
+from miles.testing import build_tiny_model, free_port
 
 MIB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def strict_json(raw):

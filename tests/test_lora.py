@@ -3,7 +3,6 @@
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from miles.engine.local import LocalEngine
 from miles.errors import ConfigError
 from miles.rollout.plane import RolloutPlane
 from miles.engine.router import Router
-from miles.testing import BackendConformance, make_train_batch
+from miles.testing import BackendConformance, free_port, make_train_batch
 from miles.train.torch_backend import TorchBackend
 from miles.weights.transports import InProcessTransport, SharedMemoryTransport, TensorTransport
 
@@ -123,12 +122,6 @@ def test_an_adapter_sync_leaves_the_engine_as_a_merged_sync_does(tiny_model_dir)
         plane.close()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url, path, body):
     request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -138,7 +131,7 @@ def _post(url, path, body):
 
 @pytest.fixture
 def served_engine(tiny_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with open(tmp_path / "engine.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "miles", "engine", "serve", "--model", str(tiny_model_dir),

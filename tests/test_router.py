@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 import urllib.error
 import urllib.request
 
@@ -26,12 +27,7 @@ import pytest
 
 from miles.engine.router import EngineGone, NoHealthyEngine, Router
 from miles.errors import EngineRequestError
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from miles.testing import free_port
 
 
 def start_engine(model_dir, port):
@@ -250,6 +246,9 @@ def _zygote_main():
             os.close(0)
             try:
                 _serve_gated(model_dir, port, "" if hold == "-" else hold)
+            except BaseException:
+                traceback.print_exc(file=sys.stdout)  # what `serving` shows when the engine does not start
+                sys.stdout.flush()
             finally:
                 os._exit(1)
         print(pid, flush=True)
@@ -270,7 +269,8 @@ def zygote(tmp_path_factory):
 
 
 def serving(proc):
-    assert proc.stdout.readline().strip() == "ready"
+    first = proc.stdout.readline()
+    assert first.strip() == "ready", f"the engine did not start: {first}{proc.stdout.read()}"
     return proc
 
 

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ from miles.engine.router import Router
 from miles.errors import ConfigError, EngineRequestError
 from miles.run.runner import prepare
 from miles.rollout.plane import RolloutPlane
-from miles.testing import serve_in_thread
+from miles.testing import free_port, serve_in_thread
 from miles.weights.delta import block_checksums, encode_blocks, set_checksum, weights_checksum
 from miles.weights.delta_transports import (
     DeltaSharedMemoryTransport, DeltaTensorTransport, auto_transport, shm_transport, tensor_transport,
@@ -458,12 +457,6 @@ def test_bad_delta_options_stop_the_config_check_before_the_run_directory_change
 
 
 # -- engines that restart or are killed during a push -----------------------------------------------------
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_engine(model_dir, port, log_path):

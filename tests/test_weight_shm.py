@@ -12,7 +12,6 @@ import contextlib
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ from miles.weights.shm import (
     HEADER, MAGIC, WRITING, MappedWeightFile, WeightFile, host_id, parse_descriptor,
 )
 from miles.rollout.plane import RolloutPlane
-from miles.testing import serve_in_thread
+from miles.testing import free_port, serve_in_thread
 from miles.engine.router import Router
 from miles.errors import EngineRequestError
 from miles.testing import build_tiny_model
@@ -38,12 +37,6 @@ from miles.weights.transports import AutoTransport, SharedMemoryTransport, Share
 SHM = "/update_weights_from_shm"
 PROMPT = [5, 13, 2, 14]
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(base, path, body=None, headers=None):

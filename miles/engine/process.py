@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 from typing import Any
 
 from miles.cluster import cores
 from miles.engine.launchers import MilesServerLauncher
 from miles.engine.router import EngineGone, Router
 from miles.errors import RunError
+from miles.ports import free_port
 
 __all__ = ["separate_process", "start_engine_process"]
 
@@ -63,10 +63,7 @@ def start_engine_process(model_path: str, engine_args: dict[str, Any], *, thread
                                    startup_timeout_s=startup_timeout_s)
 
     def start() -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        return launcher.start(model_path, host="127.0.0.1", port=port, admin_token="", threads=threads,
+        return launcher.start(model_path, host="127.0.0.1", port=free_port(), admin_token="", threads=threads,
                               timeout_s=startup_timeout_s)
 
     router = Router([start()], **router_args)

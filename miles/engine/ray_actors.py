@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import secrets
-import socket
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import Any
 from miles.cluster import dead_node, describe_capacity, describe_nodes
 from miles.errors import RunError
 from miles.engine.router import EngineGone, Router
+from miles.ports import free_port
 
 __all__ = ["EngineActor", "engine_meta", "launch_engines", "resolver", "shutdown_engines", "start_actors"]
 
@@ -36,9 +36,7 @@ class EngineActor:
         import queue
 
         self.launcher = launcher
-        with socket.socket() as s:
-            s.bind((host, 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port(host)
         started: queue.Queue = queue.Queue()
 
         def supervise() -> None:

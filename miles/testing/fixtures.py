@@ -5,7 +5,6 @@ fixtures."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from omegaconf import OmegaConf
 from miles.config.schema import ModelBuildConfig, TokenizerConfig
 from miles.models.hf import build_model_dir
 from miles.plugins import build_plugin_manager
+from miles.ports import free_port
 from miles.registry import Registry
 from miles.types import Sample, SampleStatus
 
@@ -59,13 +59,6 @@ def generate_all(engine: Any, prompts: list[list[int]], params: dict[str, Any]) 
     return asyncio.run(go())
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve_engine(model_dir: str | Path, *args: str, timeout_s: float = 120.0) -> Iterator[str]:
     """``miles engine serve`` for ``model_dir`` in a process of its own on a free 127.0.0.1 port (one torch
@@ -73,9 +66,7 @@ def serve_engine(model_dir: str | Path, *args: str, timeout_s: float = 120.0) ->
     the process (and removes its log) on exit. ``args``: more ``miles engine serve`` flags."""
     from miles.engine.launchers import MilesServerLauncher
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     launcher = MilesServerLauncher(extra_args=list(args), startup_timeout_s=timeout_s)
     try:
         yield launcher.start(str(model_dir), host="127.0.0.1", port=port, admin_token="", threads=1)

@@ -19,7 +19,6 @@ import asyncio
 import atexit
 import logging
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 from collections.abc import Awaitable, Callable
@@ -27,6 +26,7 @@ from typing import Any
 
 from miles.errors import ConfigError, EngineRequestError
 from miles.lazy import lazy_module
+from miles.ports import free_port
 from miles.weights.fleet import Endpoint, Engines
 from miles.weights.shm import SHM_DIR, SHM_PATH, WeightFile, host_id
 from miles.weights.wire import broadcast_tensors, open_weight_group, tensor_bytes
@@ -174,9 +174,7 @@ class DistributedTransport:
         if self._group is not None and members == self._members:
             return
         self._group, self._members = None, ()
-        with socket.socket() as s:
-            s.bind((self.master_address, 0))
-            port = s.getsockname()[1]
+        port = free_port(self.master_address)
 
         # The trainer is rank 0; an engine of tp_size ranks takes ranks rank_offset .. rank_offset + tp_size - 1
         # (SGLang's rank = rank_offset + tp_rank).

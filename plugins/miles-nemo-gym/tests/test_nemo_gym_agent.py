@@ -6,7 +6,6 @@ tokens the Responses carry, and the reward /run answers."""
 
 import asyncio
 import json
-import socket
 
 import aiohttp
 import pytest
@@ -14,7 +13,7 @@ from transformers import AutoTokenizer
 
 from miles import Sample
 from miles.session import SessionServer
-from miles.testing import ScriptedPolicy, make_registry
+from miles.testing import ScriptedPolicy, free_port, make_registry
 from miles_nemo_gym.adapter import SESSION_KEY, ResponsesAdapter
 from miles_nemo_gym.agent import check_args, run
 from miles_nemo_gym.env import NemoGymError
@@ -32,12 +31,6 @@ class LoggedPolicy(ScriptedPolicy):
                                                         for i, (_, t, _) in enumerate(answer["meta_info"]
                                                                                       ["output_token_logprobs"])]
         return answer
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,12 @@ action, observation and reward mappings; and the config checks."""
 import asyncio
 import json
 import re
-import socket
 import time
 
 import pytest
 
 from miles import Action, EnvContext, Sample, SampleStatus, ToolCall
-from miles.testing import EnvConformance
+from miles.testing import EnvConformance, free_port
 from miles_openenv import OpenEnvEnv, OpenEnvFailure
 from openenv_testenvs import AddUp, Countdown
 
@@ -206,12 +205,6 @@ def test_a_restarted_server_is_not_taken_for_the_same_session(start_server):
 
     restarted = asyncio.run(main())
     assert restarted.live() == 0, "no session was opened on the restarted server"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_refused_connection_names_the_server():

@@ -16,18 +16,11 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gpu_used_mib() -> int:
@@ -63,6 +56,7 @@ def main() -> int:
     from miles.rollout.plane import RolloutPlane
     from miles.engine.router import Router
     from miles.weights.transports import DiskTransport, DistributedTransport
+    from miles.testing import free_port
     from miles_sglang import SGLangLauncher, sglang_argv
 
     report["sglang"] = sglang_version

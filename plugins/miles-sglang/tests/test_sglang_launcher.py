@@ -9,7 +9,6 @@ checked by ``scripts/gpu_check.sh``.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -26,12 +25,7 @@ from miles.rollout.plane import RolloutPlane
 from miles.engine.router import Router
 from miles.run.runner import prepare
 from miles_sglang import SGLangLauncher, sglang_argv
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from miles.testing import free_port
 
 
 def call(url, path, body=None, token=""):

@@ -10,7 +10,11 @@ The task: over 64 symbols in a fixed order, the prompt ``s:`` asks for the symbo
   ``when: tail`` (speculation once at most ``tail_rows`` rows decode: 4, 8 and 16, the default), and the share of
   exact answers of each (the same distribution: speculation changes the speed, not the samples).
 
-    python benchmarks/speculative.py [--num-tokens 4] [--batch 64] [--threads 2]
+``--draft mtp``: the draft is an MTP head on the target instead (``draft: mtp``: one block of the target's shape on
+its hidden states, and its output layer), taught the target's samples by DraftLearner and shipped in a copy of the
+target's checkpoint (kept under ``--cache`` too).
+
+    python benchmarks/speculative.py [--num-tokens 4] [--batch 64] [--threads 2] [--draft mtp]
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import torch
 from miles.engine.local import LocalEngine
 from miles.models.hf import load_model, load_tokenizer, save_pretrained
 from miles.testing import build_tiny_model
+
+from _common import ship_taught_head
 
 SYMBOLS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/"
 ALPHABET = SYMBOLS + ":"
@@ -82,6 +88,22 @@ def trained(root: Path, name: str, build: dict, steps: int, lr: float) -> Path:
     return done
 
 
+def with_taught_head(root: Path, target: Path, passes: int) -> Path:
+    """A copy of ``target`` shipping an MTP head that DraftLearner taught the target's own samples (256 prompts at
+    temperature 1); kept under ``root``."""
+    done = root / "mtp_head" / "model"
+    if (done / "mtp.safetensors").exists():
+        return done
+    rng, tokenizer = random.Random(2), load_tokenizer(target)
+    prompts = [tokenizer.encode(example(rng)[0], add_special_tokens=False) for _ in range(256)]
+    engine = engine_of(target, None)
+    answers, _ = generate(engine, prompts, 70)
+    weights = {name: t.clone() for name, t in engine.model.state_dict().items()}
+    engine.close()
+    done.parent.mkdir(parents=True, exist_ok=True)
+    return ship_taught_head(target, prompts, answers, weights, done, seed=0, passes=passes, lr=3e-3)
+
+
 def engine_of(target: Path, speculative: dict | None) -> LocalEngine:
     engine = LocalEngine(seed=0, speculative=speculative, prefix_cache_tokens=0)
     engine.load_model(str(target))
@@ -109,16 +131,23 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--tail-rows", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--cache", default=".cache/benchmarks/speculative")
+    parser.add_argument("--draft", choices=("model", "mtp"), default="model")
+    parser.add_argument("--head-passes", type=int, default=20, help="--draft mtp: passes teaching it the target")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     root = Path(args.cache)
     target = trained(root, "target", TARGET, args.target_steps, 1e-3)
-    draft = trained(root, "draft", DRAFT, args.draft_steps, 3e-3)
+    if args.draft == "mtp":
+        target = with_taught_head(root, target, args.head_passes)
+        spec = {"draft": "mtp", "num_tokens": args.num_tokens}
+    else:
+        draft = trained(root, "draft", DRAFT, args.draft_steps, 3e-3)
+        spec = {"draft": {"path": str(draft)}, "num_tokens": args.num_tokens}
     tokenizer = load_tokenizer(target)
-    spec = {"draft": {"path": str(draft)}, "num_tokens": args.num_tokens}
     plain = engine_of(target, None)
     always = engine_of(target, {**spec, "when": "always"})
-    print(f"target {sum(p.numel() for p in plain.model.parameters()) / 1e6:.1f}M parameters, draft "
+    kind = "an MTP head of" if args.draft == "mtp" else "draft"
+    print(f"target {sum(p.numel() for p in plain.model.parameters()) / 1e6:.1f}M parameters, {kind} "
           f"{sum(p.numel() for p in always.draft.parameters()) / 1e6:.2f}M; {args.num_tokens} proposals a step; "
           f"{args.threads} threads; temperature 1")
     rng = random.Random(1)

@@ -1,7 +1,9 @@
 """Speculative sampling in the embedded engine (rollout.engine.speculative): the tokens follow the target's
-distribution exactly, greedy decoding gives plain decoding's tokens, and the log-probs are the target's."""
+distribution exactly, greedy decoding gives plain decoding's tokens, and the log-probs are the target's; with each
+kind of draft (a separate model, the MTP head the target's checkpoint ships)."""
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import json
@@ -36,9 +38,70 @@ def _peaked(root, seed, **build):
     return root / "model"
 
 
+def _learn_head(target_dir):
+    """Teach an MTP head built at random the target (DraftLearner, as rollout.engine.speculative.train does each
+    step: 384 of its samples at temperature 0.3, ten passes, the target as the policy) and write it into the target's
+    checkpoint in DeepSeek-V3's layout (beside the model's file, as those checkpoints ship it). Returns how often
+    its proposals were kept before and after, and its losses."""
+    from safetensors.torch import save_file
+
+    from miles.loop.draft import DraftLearner
+    from miles.models.mtp import published_tensors
+    from miles.rollout.plane import RolloutPlane
+
+    spec = {"draft": "mtp", "num_tokens": 3, "when": "always", "force": True, "train": True}
+    engine = _engine(target_dir, spec)
+    learner = DraftLearner(SpeculativeConfig.parse(spec), str(target_dir), seed=1, lr=1e-2, window=1)
+    learner.push(RolloutPlane(local_engines=[engine]))
+    start, answers = _acceptance(engine, PROMPTS * 64, {"max_new_tokens": 12, "ignore_eos": True,
+                                                        "temperature": 0.3})
+
+    class Policy:  # what the learner reads of a backend
+        def export_weights(self):
+            return {n: t.clone() for n, t in engine.model.state_dict().items()}
+
+    losses = [learner.learn(_groups(PROMPTS * 64, answers), Policy())["rollout/spec_draft_loss"] for _ in range(10)]
+    learner.push(RolloutPlane(local_engines=[engine]))
+    end, _ = _acceptance(engine, PROMPTS * 64, {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0.3})
+    engine.close()
+    config = json.loads((target_dir / "config.json").read_text())
+    save_file(published_tensors(learner.model, config["num_hidden_layers"]), str(target_dir / "mtp.safetensors"))
+    (target_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return start, end, losses
+
+
+def _acceptance(engine, prompts, params, **kwargs):
+    """The share of the proposals the engine kept while it answered ``prompts``, and the answers."""
+    before = engine.stats()
+    answers = _generate(engine, prompts, params, **kwargs)
+    after = engine.stats()
+    kept, proposed = (after[k] - before[k] for k in ("spec_accepted", "spec_proposed"))
+    return kept / proposed, answers
+
+
+def _groups(prompts, answers, policy_tokens=None):
+    """One sample a group, as a rollout gives them; a token past ``policy_tokens`` is a tool's (loss mask 0)."""
+    from miles.types import Group, Sample, SampleStatus
+
+    groups = []
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        sample = Sample(prompt_ids=list(prompt), group_index=i, status=SampleStatus.COMPLETED, reward=0.0)
+        sample.append(answer["output_ids"][:policy_tokens], None, from_policy=True)
+        if policy_tokens is not None:
+            sample.append(answer["output_ids"][policy_tokens:], None, from_policy=False)
+        groups.append(Group(index=i, samples=[sample]))
+    return groups
+
+
+HEAD = {}  # the target's MTP head as it was taught: acceptance before, after, and its losses
+
+
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    return _peaked(tmp_path_factory.mktemp("target"), seed=0)
+    """A peaked target whose checkpoint ships an MTP head it taught (in DeepSeek-V3's layout)."""
+    target = _peaked(tmp_path_factory.mktemp("target"), seed=0)
+    HEAD["start"], HEAD["end"], HEAD["losses"] = _learn_head(target)
+    return target
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +110,15 @@ def draft_dir(tmp_path_factory):
     return _peaked(tmp_path_factory.mktemp("draft"), seed=0, num_layers=1)
 
 
-def _spec(draft_dir, **kwargs):
-    return {"draft": {"path": str(draft_dir)}, "num_tokens": 3, "when": "always", "force": True, **kwargs}
+@pytest.fixture(params=["model", "mtp"])
+def draft(request, draft_dir):
+    """Each kind of draft: a separate model (``{path: ...}``), the MTP head the target's checkpoint ships."""
+    return {"path": str(draft_dir)} if request.param == "model" else "mtp"
+
+
+def _spec(draft, **kwargs):
+    draft = draft if isinstance(draft, (str, dict)) else {"path": str(draft)}
+    return {"draft": draft, "num_tokens": 3, "when": "always", "force": True, **kwargs}
 
 
 def _engine(model_dir, speculative=None, **kwargs):
@@ -132,19 +202,19 @@ def _critical(df, z=3.72):
 
 @pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9},
                                     {"temperature": 1.3, "top_k": 3}])
-def test_speculative_tokens_follow_the_targets_distribution(target_dir, draft_dir, params):
+def test_speculative_tokens_follow_the_targets_distribution(target_dir, draft_dir, draft, params):
     """4000 samples of 3 tokens with 2 proposals a step (each position: kept proposals, residual draws and the
     target's own draw after all are kept). The pairs (tokens 1-2) and the third token pass a chi-square test
-    against the target's exact distribution at p = 1e-4, and fail it against the draft's: the test tells them
-    apart."""
-    engine = _engine(target_dir, _spec(draft_dir, num_tokens=2), max_batch_size=DRAWS)
+    against the target's exact distribution at p = 1e-4, and (a separate draft) fail it against the draft's: the
+    test tells them apart."""
+    engine = _engine(target_dir, _spec(draft, num_tokens=2), max_batch_size=DRAWS)
     answers = _generate(engine, [PROMPT] * DRAWS, {"max_new_tokens": 3, "ignore_eos": True, **params})
     stats = engine.stats()
     engine.close()
     assert 0.05 < stats["spec_accepted"] / stats["spec_proposed"] < 0.95  # both paths taken, hundreds of times
     seqs = [tuple(a["output_ids"]) for a in answers]
     assert all(len(s) == 3 for s in seqs)
-    target, draft = _joint(target_dir, params, 3), _joint(draft_dir, params, 3)
+    exact, drafts = _joint(target_dir, params, 3), _joint(draft_dir, params, 3)
 
     def marginals(joint):
         pairs, thirds = {}, {}
@@ -154,18 +224,18 @@ def test_speculative_tokens_follow_the_targets_distribution(target_dir, draft_di
         return pairs, thirds
 
     observed = marginals({s: seqs.count(s) for s in set(seqs)})
-    for expected, wrong, seen in zip(marginals(target), marginals(draft), observed):
+    for expected, wrong, seen in zip(marginals(exact), marginals(drafts), observed):
         stat, df = _chi_square(seen, expected, DRAWS)
         assert stat < _critical(df), (stat, df, params)
         wrong_stat, wrong_df = _chi_square(seen, wrong, DRAWS)
-        assert wrong_stat > _critical(wrong_df) if wrong_df >= 1 else True
+        assert wrong_stat > _critical(wrong_df) if wrong_df >= 1 and draft != "mtp" else True
 
 
-def test_greedy_gives_plain_decodings_tokens_and_log_probs(target_dir, draft_dir):
+def test_greedy_gives_plain_decodings_tokens_and_log_probs(target_dir, draft):
     """Prompts of several lengths, a batch of 2 rows (the others queue and join as rows finish: the draft's cache
     is built again), stop tokens and max_new_tokens that end rows inside a step, the prefix cache on."""
     results = []
-    for speculative in (None, _spec(draft_dir)):
+    for speculative in (None, _spec(draft)):
         engine = _engine(target_dir, speculative, max_batch_size=2)
         answers = []
         for params in ({"max_new_tokens": 17, "temperature": 0.0, "ignore_eos": True},
@@ -196,16 +266,17 @@ async def _with_top(prompt, engine):
                                   top_logprobs_num=3, return_entropy=True)]
 
 
-def test_routed_experts_are_the_targets_for_the_tokens_it_took(tmp_path):
+@pytest.mark.parametrize("draft", [{"build": {"num_layers": 1, "hidden_size": 32, "head_dim": 8}}, "mtp"])
+def test_routed_experts_are_the_targets_for_the_tokens_it_took(tmp_path, draft):
     """A mixture-of-experts target: the experts reported for every token fed are those a plain forward over the
-    prompt and the outputs routes to (the refused proposals' routing left out)."""
+    prompt and the outputs routes to (the refused proposals' routing left out; an MTP head's own experts, a block of
+    the target's architecture, are not the target's)."""
     import numpy as np
 
     from miles.models.moe import decode_routed_experts, routing
 
     moe_dir = build_tiny_model(tmp_path / "moe", arch="qwen3_moe", max_position_embeddings=64)
-    engine = _engine(moe_dir, {"draft": {"build": {"num_layers": 1, "hidden_size": 32, "head_dim": 8}},
-                               "num_tokens": 3, "when": "always", "force": True})
+    engine = _engine(moe_dir, {"draft": draft, "num_tokens": 3, "when": "always", "force": True})
     prompt = [5, 6, 7, 8]
     answer = asyncio.run(engine.generate(prompt, {"max_new_tokens": 12, "ignore_eos": True},
                                          return_routed_experts=True))
@@ -222,11 +293,11 @@ def test_routed_experts_are_the_targets_for_the_tokens_it_took(tmp_path):
 @pytest.mark.parametrize("logprobs_of, params", [("sampling", {"temperature": 0.7, "top_p": 0.9}),
                                                  ("truncated", {"temperature": 1.3, "top_k": 4}),
                                                  ("model", {"temperature": 0.8})])
-def test_sampled_log_probs_are_the_targets(target_dir, draft_dir, logprobs_of, params):
+def test_sampled_log_probs_are_the_targets(target_dir, draft, logprobs_of, params):
     """Each reported log-prob is the target's under ``logprobs_of``, computed again over the whole sequence; with
     ``exact_logprobs`` (rollout.true_on_policy) bit for bit that computation."""
     for exact in (False, True):
-        engine = _engine(target_dir, _spec(draft_dir), logprobs_of=logprobs_of, exact_logprobs=exact)
+        engine = _engine(target_dir, _spec(draft), logprobs_of=logprobs_of, exact_logprobs=exact)
         answers = _generate(engine, PROMPTS, {"max_new_tokens": 12, "ignore_eos": True, **params})
         model, columns = engine.model, {}
         for prompt, answer in zip(PROMPTS, answers):
@@ -261,12 +332,12 @@ def test_a_draft_that_agrees_gives_k_plus_one_tokens_per_target_forward(target_d
     assert stats["spec_tokens"] / stats["spec_row_forwards"] >= k
 
 
-def test_an_abort_and_a_weight_update_between_speculative_steps(target_dir, draft_dir, monkeypatch):
+def test_an_abort_and_a_weight_update_between_speculative_steps(target_dir, draft, monkeypatch):
     """Between two speculative steps (the third and the fourth): a weight update lands, and the tokens after it are
     sampled by the new weights (each token's version says which); an abort then ends one row with what it has."""
     import miles.engine.batcher as batcher_module
 
-    engine = _engine(target_dir, _spec(draft_dir))
+    engine = _engine(target_dir, _spec(draft))
     new = {n: t * 1.01 if t.is_floating_point() else t for n, t in engine.model.state_dict().items()}
     steps = []
     original = batcher_module.ContinuousBatcher._iteration
@@ -331,8 +402,9 @@ def test_a_vision_language_target_speculates_with_a_text_draft(vlm_model_dir, tm
         assert plain["output_ids"] == spec["output_ids"]
         assert max(abs(a[0] - b[0]) for a, b in zip(plain["meta_info"]["output_token_logprobs"],
                                                     spec["meta_info"]["output_token_logprobs"])) <= 1e-5
-    with pytest.raises(ValueError, match="a vision-language target takes a text draft model from a directory"):
-        _engine(vlm_model_dir, {"draft": {"build": {"num_layers": 1}}, "force": True})
+    for built in ({"build": {"num_layers": 1}}, "mtp"):
+        with pytest.raises(ValueError, match="a vision-language target takes a text draft model from a directory"):
+            _engine(vlm_model_dir, {"draft": built, "force": True})
 
 
 # -- when it speculates --------------------------------------------------------------------------------------------
@@ -375,7 +447,7 @@ def test_a_draft_that_cannot_pay_is_switched_off_and_the_engine_says_so(target_d
 
 @pytest.mark.parametrize("spec, message", [
     ("mtp", "expected a mapping"),
-    ({"draft": "mtp"}, "mtp .* not built yet"),
+    ({"draft": "mpt"}, r"expected \{path: DIR\}.* or mtp \(a multi-token-prediction head"),
     ({"draft": {"repo": "x"}}, r"expected \{path: DIR\}"),
     ({"draft": {"build": {"hidden_size": 0}}}, r"build.hidden_size: expected an integer >= 1"),
     ({"draft": {"build": {"vocab_size": 5}}}, "unknown field.*vocab_size"),
@@ -412,7 +484,7 @@ def test_a_bad_draft_fails_the_run_before_anything_is_written(tmp_path, capsys):
     from miles.cli import main
 
     for override, message in (("{draft: {path: /nowhere}}", "speculative.draft.path '/nowhere' is not an HF model"),
-                              ("{draft: mtp}", "mtp .* is not built yet"),
+                              ("{draft: mtp, num_tokens: 17}", r"num_tokens: expected an integer in \[1, 16\]"),
                               ("{draft: {build: {num_layers: 1}}, when: later}", "when: expected one of")):
         code = main(["train", "configs/quickstart.yaml", "run.progress=false", f"run.dir={tmp_path / 'run'}",
                      f"rollout.engine.speculative={override}"])
@@ -424,8 +496,8 @@ def test_a_bad_draft_fails_the_run_before_anything_is_written(tmp_path, capsys):
 # -- the draft's weights ---------------------------------------------------------------------------------------------
 
 
-def test_draft_weights_load_with_the_policys_and_bad_ones_apply_nothing(target_dir, draft_dir):
-    engine = _engine(target_dir, _spec(draft_dir))
+def test_draft_weights_load_with_the_policys_and_bad_ones_apply_nothing(target_dir, draft):
+    engine = _engine(target_dir, _spec(draft))
     policy = {n: t.clone() for n, t in engine.model.state_dict().items()}
     draft = {f"draft.{n}": t + 0.5 for n, t in engine.draft.state_dict().items() if t.is_floating_point()}
     version = engine.update_weights({**policy, **draft}, weight_version=7)
@@ -460,7 +532,6 @@ def test_a_draft_that_learns_the_policys_samples_is_kept_more_often(target_dir, 
     rollouts: the learners keep a window of one step.)"""
     from miles.loop.draft import DraftLearner
     from miles.rollout.plane import RolloutPlane
-    from miles.types import Group, Sample, SampleStatus
 
     spec = {"draft": {"build": {"num_layers": 1}}, "num_tokens": 3, "when": "always", "force": True, "train": True}
     engine = _engine(target_dir, spec)
@@ -471,19 +542,10 @@ def test_a_draft_that_learns_the_policys_samples_is_kept_more_often(target_dir, 
     params = {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0.3}
 
     def rate():
-        before = engine.stats()
-        answers = _generate(engine, PROMPTS * 128, params)
-        after = engine.stats()
-        kept, proposed = (after[k] - before[k] for k in ("spec_accepted", "spec_proposed"))
-        return kept / proposed, answers
+        return _acceptance(engine, PROMPTS * 128, params)
 
     start, answers = rate()
-    groups = []
-    for i, (prompt, answer) in enumerate(zip(PROMPTS * 128, answers)):
-        sample = Sample(prompt_ids=list(prompt), group_index=i, status=SampleStatus.COMPLETED, reward=0.0)
-        sample.append(answer["output_ids"][:8], None, from_policy=True)
-        sample.append(answer["output_ids"][8:], None, from_policy=False)  # a tool's output: never learnt
-        groups.append(Group(index=i, samples=[sample]))
+    groups = _groups(PROMPTS * 128, answers, policy_tokens=8)  # the tokens after 8 are a tool's: never learnt
     losses = [learner.learn(groups)["rollout/spec_draft_loss"] for _ in range(10)]
     assert losses[-1] < losses[0] - 0.25
     learner.push(plane)
@@ -507,6 +569,158 @@ def test_a_draft_that_learns_the_policys_samples_is_kept_more_often(target_dir, 
     fallback = DraftLearner(SpeculativeConfig.parse(spec), str(target_dir), seed=1, lr=1e-2, window=1)
     assert fallback.learn(groups, Adapters())["rollout/spec_draft_loss"] == pytest.approx(losses[0], rel=1e-4)
     engine.close()
+
+
+def test_an_mtp_head_learns_the_policy_on_its_hidden_states(target_dir):
+    """The target's MTP head was built at random and taught by DraftLearner (``draft: mtp``, the target_dir
+    fixture): the KL from the policy's distribution fell, and the engine kept its proposals far more often once
+    the head was pushed (0.19 -> 0.75 here: a head that reads the target's hidden states learns more than a
+    separate one-layer draft, 0.33 -> 0.38 from the samples alone)."""
+    losses = HEAD["losses"]
+    assert losses[-1] < losses[0] / 4, losses
+    assert HEAD["start"] < 0.35 and HEAD["end"] > HEAD["start"] + 0.3, HEAD
+
+
+@pytest.mark.parametrize("layout, stored", [("deepseek_v3", "float"), ("qwen3_next", "float"),
+                                           ("deepseek_v3", "fp8_block")])
+def test_an_mtp_head_a_checkpoint_ships_is_the_draft_in_each_published_layout(target_dir, tmp_path, layout, stored):
+    """The taught head written in each published layout (DeepSeek-V3's also with its copies of the embedding and
+    output layer), in float or in block FP8 with a ``weight_scale_inv`` per 128x128 block as DeepSeek-V3 ships it:
+    the engine's draft and the DraftLearner's start from it (each FP8 layer dequantized), the model itself loads
+    as it does without it, and greedy answers are plain decoding's. A head with a tensor missing is refused at
+    start, naming it; a checkpoint without a head gets one built at random, and the engine says so."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from miles.loop.draft import DraftLearner
+    from miles.models.hf import load_model_config
+    from miles.models.mtp import checkpoint_head, published_tensors
+    from miles.precision.linear import quantize_weights, target_modules
+    from miles.precision.schemes import Fp8Block
+
+    taught = checkpoint_head(target_dir, load_model_config(target_dir))
+    out = shutil.copytree(target_dir, tmp_path / "model")
+    (out / "mtp.safetensors").unlink()
+    config = json.loads((out / "config.json").read_text())
+    config.pop("num_nextn_predict_layers")
+    layers = config["num_hidden_layers"]
+    head = published_tensors(taught, layers, layout)
+    model = load_model(target_dir)
+    expected = {n: t.clone() for n, t in taught.state_dict().items()}
+    if layout == "deepseek_v3":
+        config["num_nextn_predict_layers"] = 1
+        head[f"model.layers.{layers}.embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+        head[f"model.layers.{layers}.shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    if stored == "fp8_block":
+        weights = {**load_file(str(out / "model.safetensors")), **head}
+        quantized = target_modules(model) + [n.removesuffix(".weight") for n in head if n.endswith("proj.weight")]
+        save_file(quantize_weights(weights, Fp8Block(), quantized), str(out / "model.safetensors"))
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128]}
+        scheme = Fp8Block()
+        expected = {n: scheme.dequantize(scheme.quantize(t)) if n.endswith("proj.weight") else t
+                    for n, t in expected.items()}
+    else:
+        save_file(head, str(out / "mtp.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+
+    engine = _engine(out, _spec("mtp"))
+    assert engine.draft.state_dict().keys() == expected.keys()
+    assert all(torch.equal(engine.draft.state_dict()[n], t) for n, t in expected.items())
+    learner = DraftLearner(SpeculativeConfig.parse(_spec("mtp")), str(out), seed=3)
+    assert all(torch.equal(learner.model.state_dict()[n], t) for n, t in expected.items())
+    float_model = model.state_dict()
+    loaded = load_model(out).state_dict()
+    assert loaded.keys() == float_model.keys()
+    if stored == "float":
+        assert all(torch.equal(loaded[n], t) for n, t in float_model.items())
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    spec_answers = _generate(engine, PROMPTS, params)
+    assert engine.stats()["spec_accepted"] > 0
+    engine.close()
+    plain = _engine(out)
+    assert [a["output_ids"] for a in _generate(plain, PROMPTS, params)] == [a["output_ids"] for a in spec_answers]
+    plain.close()
+
+    if stored == "float":
+        missing = next(n for n in head if n.endswith("o_proj.weight"))
+        save_file({n: t for n, t in head.items() if n != missing}, str(out / "mtp.safetensors"))
+        with pytest.raises(ValueError, match=r"its MTP head misses block\.layers\.0\.self_attn\.o_proj\.weight"):
+            _engine(out, _spec("mtp"))
+        (out / "mtp.safetensors").unlink()
+        with caplog_at_info() as messages:
+            engine = _engine(out, _spec("mtp"))
+        engine.close()
+        assert any("ships no MTP head; one is built at random" in m for m in messages)
+
+
+@contextlib.contextmanager
+def caplog_at_info():
+    """The messages logged (at INFO and above) while the block runs."""
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler, root = Keep(level=logging.INFO), logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield messages
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def test_rows_that_join_and_leave_a_speculating_batch_are_all_answered(target_dir, draft):
+    """Many short requests through a batch of 3 (rows end at their first token or a few later, new ones join,
+    the draft's cache is built again and again): every request is answered in full, none fails."""
+    engine = _engine(target_dir, _spec(draft), max_batch_size=3)
+    answers = _generate(engine, PROMPTS * 8, {"max_new_tokens": 6, "temperature": 1.0, "stop_token_ids": [5, 9]})
+    stats = engine.stats()
+    engine.close()
+    assert stats["spec_steps"] > 10
+    reasons = [a["meta_info"]["finish_reason"]["type"] for a in answers]
+    assert set(reasons) <= {"stop", "length"} and "stop" in reasons, reasons
+
+
+def test_the_mtp_heads_cache_kept_step_by_step_is_the_one_built_at_once(target_dir, monkeypatch):
+    """After each verifying forward, the head's columns are computed again from the target's hidden states; they
+    equal the columns a head builds from scratch over the same tokens (a run that builds the cache again before
+    every step): the same proposals and distributions at every step, and the same tokens."""
+    import miles.engine.draft as drafts
+    from miles.engine import speculative_step
+
+    propose, decode = drafts.MTPDraft.propose, speculative_step.SpeculativeStep._speculative_decode
+    runs = []
+    for rebuild in (False, True):
+        seen = []
+
+        def proposing(self, *args, **kwargs):
+            proposals, q = propose(self, *args, **kwargs)
+            seen.append((proposals.clone(), q.clone()))
+            return proposals, q
+
+        def decoding(self):
+            if rebuild:
+                self.draft.reset()  # built again, at once, from the rows' tokens
+            return decode(self)
+
+        monkeypatch.setattr(drafts.MTPDraft, "propose", proposing)
+        monkeypatch.setattr(speculative_step.SpeculativeStep, "_speculative_decode", decoding)
+        engine = _engine(target_dir, _spec("mtp"), max_batch_size=2)
+        answers = _generate(engine, PROMPTS, {"max_new_tokens": 17, "temperature": 0.0, "ignore_eos": True})
+        engine.close()
+        monkeypatch.undo()
+        runs.append((seen, [a["output_ids"] for a in answers]))
+    (steps, tokens), (rebuilt, rebuilt_tokens) = runs
+    assert tokens == rebuilt_tokens and len(steps) == len(rebuilt) > 10
+    for (proposals, q), (again, q_again) in zip(steps, rebuilt):
+        assert torch.equal(proposals, again)
+        assert torch.allclose(q, q_again, atol=1e-5)
 
 
 def test_a_draft_learns_the_rollouts_of_the_last_train_window_steps(target_dir):
@@ -554,7 +768,10 @@ def test_a_draft_learns_the_rollouts_of_the_last_train_window_steps(target_dir):
         SpeculativeConfig.parse({**spec, "train_window": 0})
 
 
-def test_a_served_engine_speculates_and_takes_the_drafts_pushes_over_http(target_dir, draft_dir, tmp_path):
+@pytest.mark.parametrize("draft, broken", [
+    ({"build": {"num_layers": 1}}, "2 with NaN or inf values: model.embed_tokens"),  # tied to the output layer
+    ("mtp", "1 with NaN or inf values: block.layers.0.self_attn.q_proj")])
+def test_a_served_engine_speculates_and_takes_the_drafts_pushes_over_http(target_dir, tmp_path, draft, broken):
     """``miles engine serve`` (the miles_server launcher) with a draft: greedy answers are plain decoding's, its
     /server_info counts the speculative steps, and a DraftLearner's push reaches the draft through the router
     (/update_weights_from_tensor) without changing the served version."""
@@ -564,7 +781,7 @@ def test_a_served_engine_speculates_and_takes_the_drafts_pushes_over_http(target
     from miles.rollout.plane import RolloutPlane
     from miles.testing import free_port
 
-    spec = {"draft": {"build": {"num_layers": 1}}, "num_tokens": 3, "when": "always", "force": True, "train": True}
+    spec = {"draft": draft, "num_tokens": 3, "when": "always", "force": True, "train": True}
     launcher = MilesServerLauncher(log_dir=str(tmp_path), speculative=spec)
     url = launcher.start(str(target_dir), host="127.0.0.1", port=free_port(), admin_token="", threads=1,
                          timeout_s=120)
@@ -591,7 +808,7 @@ def test_a_served_engine_speculates_and_takes_the_drafts_pushes_over_http(target
         with torch.no_grad():
             next(learner.model.parameters()).fill_(float("nan"))
         # refused by the draft's own check: the push reached the draft
-        with pytest.raises(ValueError, match="the draft's: 2 with NaN or inf values: model.embed_tokens.weight"):
+        with pytest.raises(ValueError, match=f"the draft's: {broken}"):
             learner.push(plane)
     finally:
         plane.close()

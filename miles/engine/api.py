@@ -7,6 +7,7 @@ A server-launcher plugin (``miles-sglang``, your own; the contract is ``miles_re
   own (start, wait until it answers, stop, a log to report);
 - :func:`is_server_launcher`: whether a registered rollout engine is a server launcher;
 - :class:`SpeculativeConfig`: ``rollout.engine.speculative`` parsed and checked (:mod:`miles.engine.speculative`);
+  :func:`mtp_head_names`: the tensors of the MTP head a checkpoint ships (``draft: mtp``, :mod:`miles.models.mtp`);
 - errors: :class:`ConfigError` (bad engine arguments, exit code 2), :class:`RunError` (a server that failed).
 """
 
@@ -14,5 +15,7 @@ from miles.engine.launchers import SubprocessLauncher
 from miles.engine.speculative import SpeculativeConfig
 from miles.errors import ConfigError, RunError
 from miles.hookspecs import is_server_launcher
+from miles.models.mtp import head_names as mtp_head_names
 
-__all__ = ["ConfigError", "RunError", "SpeculativeConfig", "SubprocessLauncher", "is_server_launcher"]
+__all__ = ["ConfigError", "RunError", "SpeculativeConfig", "SubprocessLauncher", "is_server_launcher",
+           "mtp_head_names"]

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from miles.engine.image_input import prefill_vision_inputs
 from miles.engine.kv_layout import left_pad, pack, past_block
 from miles.engine.prefix_cache import PrefixCache
-from miles.engine.draft import Draft
+from miles.engine.draft import make_draft
 from miles.engine.outputs import fill_prompt_logprobs, take_tokens
 from miles.engine.request import Request, answer, clear_outputs, plain_answer
 from miles.engine.sampling import RowSampling, per_position, sample_next
@@ -47,7 +47,7 @@ class ContinuousBatcher(SpeculativeStep):
         self.model, self.tokenizer = model, tokenizer
         # rollout.engine.speculative: a draft proposes, the target verifies (miles.engine.speculative)
         self.speculative = speculative
-        self.draft = Draft(draft, pad_token_id) if speculative is not None else None
+        self.draft = make_draft(draft, model, pad_token_id) if speculative is not None else None
         self.logprobs_of = logprobs_of  # the distribution of the log-probs, top log-probs and entropy it reports
         # rollout.true_on_policy: each answer's log-probs computed again as the trainer computes them (bit for bit)
         self.exact_logprobs = exact_logprobs

@@ -9,7 +9,10 @@ proposal only where it is the target's argmax, and so gives the very tokens plai
 
     speculative:
       draft: {path: /models/draft}       # or {build: {hidden_size: 64, num_layers: 1, ...}}: the target's
-                                         # architecture, smaller, at random (train: true teaches it)
+                                         # architecture, smaller, at random (train: true teaches it); or mtp:
+                                         # a multi-token-prediction head on the target's hidden states, the
+                                         # one its checkpoint ships (DeepSeek-V3, Qwen3-Next) or built at
+                                         # random (miles.models.mtp, miles.engine.draft.MTPDraft)
       num_tokens: 4                      # k, the proposals per target forward
       when: tail                         # tail: only while at most tail_rows rows decode; always
       tail_rows: 16
@@ -65,12 +68,14 @@ class SpeculativeConfig:
             raise ValueError(f"speculative: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         draft = spec.get("draft")
         if draft == "mtp":
-            raise ValueError("speculative.draft: mtp (a multi-token-prediction head) is not built yet; give a "
-                             "separate draft model: {path: ...} or {build: {...}}")
-        if not isinstance(draft, dict) or len(draft) != 1 or next(iter(draft)) not in ("path", "build"):
-            raise ValueError(f"speculative.draft: expected {{path: DIR}} (a model with the target's tokenizer) or "
-                             f"{{build: {{...}}}} (the target's architecture, smaller), got {draft!r}")
-        if "build" in draft:
+            draft = {"mtp": True}
+        elif not isinstance(draft, dict) or len(draft) != 1 or next(iter(draft)) not in ("path", "build"):
+            raise ValueError(f"speculative.draft: expected {{path: DIR}} (a model with the target's tokenizer), "
+                             f"{{build: {{...}}}} (the target's architecture, smaller) or mtp (a multi-token-"
+                             f"prediction head on the target), got {draft!r}")
+        if "mtp" in draft:
+            pass
+        elif "build" in draft:
             build = draft["build"]
             if not isinstance(build, dict):
                 raise ValueError(f"speculative.draft.build: expected a mapping of {', '.join(BUILD_FIELDS)}, "

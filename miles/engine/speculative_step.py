@@ -40,7 +40,7 @@ class SpeculativeStep:
                                           self.never_generated)
         ids = torch.cat([self._pending.unsqueeze(1), proposals], dim=1)
         positions = self._next_pos.unsqueeze(1) + torch.arange(k + 1, device=self.device)
-        with self._routing(self._rows) as record:
+        with self._routing(self._rows) as record, self.draft.watching(self.model) as seen:
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._cache,
                                 use_cache=True).logits.float()  # [B, k + 1, V]
         finite = torch.isfinite(logits).all(dim=-1).all(dim=-1)
@@ -62,6 +62,7 @@ class SpeculativeStep:
             for r, ids_, n in zip(self._rows, routed, taken):
                 if r.return_routed_experts and n:
                     r.routed.append(ids_[:n])
+        self.draft.verified(ids, seen, mask, positions, taken_t)
         mask[:, width:] = (torch.arange(k + 1, device=self.device) < taken_t.unsqueeze(1)).long()
         self._mask = mask
         self._next_pos = self._next_pos + taken_t

@@ -21,6 +21,7 @@ import torch
 
 from miles.engine.speculative import DRAFT_PREFIX, SpeculativeConfig, draft_config
 from miles.models import hf
+from miles.models.mtp import build_head, checkpoint_head
 from miles.types import Group
 
 __all__ = ["DraftLearner"]
@@ -31,7 +32,11 @@ _log = logging.getLogger(__name__)
 class DraftLearner:
     def __init__(self, spec: SpeculativeConfig, model_path: str, seed: int, *, lr: float = 3e-4,
                  batch_size: int = 16, window: int = 8) -> None:
-        if "path" in spec.draft:
+        self.mtp = "mtp" in spec.draft
+        if self.mtp:
+            config = hf.load_model_config(model_path)
+            self.model = checkpoint_head(model_path, config) or build_head(config, seed)
+        elif "path" in spec.draft:
             self.model = hf.load_model(spec.draft["path"])
         else:
             config = draft_config(hf.load_model_config(model_path), spec.draft["build"])
@@ -39,7 +44,8 @@ class DraftLearner:
                 torch.manual_seed(seed)
                 self.model = hf.causal_lm_from_config(config)
         self.model.train()
-        self.pad = int(self.model.config.get_text_config().pad_token_id or 0)
+        config = hf.load_model_config(model_path) if self.mtp else self.model.config
+        self.pad = int(config.get_text_config().pad_token_id or 0)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.batch_size, self.window = batch_size, window
         self._recent: list[list[tuple[torch.Tensor, ...]]] = []  # each of the last steps' batches, the newest last
@@ -47,6 +53,7 @@ class DraftLearner:
         self.teacher: Any = None  # the policy, loaded from its exported weights each step
         self._learnt: dict[str, torch.Tensor] | None = None
         self._no_teacher = False
+        self._base: Any = None  # an MTP head's hidden states without a teacher: the model at model_path
 
     def learn(self, groups: list[Group], policy: Any = None) -> dict[str, float]:
         """One pass over the trainable samples of ``groups`` and of the steps before it in the window
@@ -62,13 +69,11 @@ class DraftLearner:
         self._recent = [*self._recent, step][-self.window:]
         total, tokens = 0.0, 0
         for ids, mask, labels, temperature in (batch for recent in self._recent for batch in recent):
-            logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            logits, policy_logits = self._forward(ids, mask, teacher)
             targets, used = labels[:, 1:], labels[:, 1:] != -100
             n = int(used.sum())
-            if teacher is not None:  # KL(policy || draft) at each sampled position, both at its temperature
-                with torch.no_grad():
-                    p = (teacher(input_ids=ids, attention_mask=mask).logits[:, :-1].float()[used]
-                         / temperature[used].unsqueeze(-1)).log_softmax(-1)
+            if policy_logits is not None:  # KL(policy || draft) at each sampled position, both at its temperature
+                p = (policy_logits[used] / temperature[used].unsqueeze(-1)).log_softmax(-1)
                 q = (logits[used] / temperature[used].unsqueeze(-1)).log_softmax(-1)
                 loss_sum = (p.exp() * (p - q)).sum()
             else:
@@ -80,6 +85,35 @@ class DraftLearner:
             total, tokens = total + float(loss_sum.detach()), tokens + n
         self._learnt = self.weights()  # what the next push sends (a streaming schedule pushes from a thread)
         return {"rollout/spec_draft_loss": total / tokens}
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, teacher: Any) -> tuple[torch.Tensor, Any]:
+        """The draft's logits for each next token ``[B, T - 1, V]``, and the teacher's (None without one). An MTP
+        head reads the policy's hidden states (the teacher's, else the model at model_path's) and shares its
+        embedding and output layer, which it does not train."""
+        if not self.mtp:
+            logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            if teacher is None:
+                return logits, None
+            with torch.no_grad():
+                return logits, teacher(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        source = teacher if teacher is not None else self._base_model()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            hidden = source.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+            embeds = source.get_input_embeddings()(ids)
+        before = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)
+        head = source.get_output_embeddings()
+        logits = head(self.model(embeds, before, mask, positions)[:, :-1]).float()
+        if teacher is None:
+            return logits, None
+        with torch.no_grad():
+            return logits, head(hidden[:, :-1]).float()
+
+    def _base_model(self) -> Any:
+        if self._base is None:
+            self._base = hf.load_model(self.model_path).eval()
+            self._base.requires_grad_(False)
+        return self._base
 
     def _teacher(self, policy: Any) -> Any:
         """The policy as a model in this process, with ``policy``'s exported weights (None without them)."""

@@ -343,8 +343,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrain
 
         del config.quantization_config
         model = _model_class(config).from_config(config, dtype=torch.float32)  # buffers made; weights replaced below
-        try:
-            weights = fuse_per_expert(read_float_weights(path), model.state_dict())
+        from miles.models.mtp import is_head_tensor
+
+        stored = json.loads((Path(path) / "config.json").read_text())
+        try:  # an MTP head shipped beside the model is the speculative draft's (miles.models.mtp)
+            weights = {k: v for k, v in read_float_weights(path).items() if not is_head_tensor(k, stored)}
+            weights = fuse_per_expert(weights, model.state_dict())
         except ValueError as exc:
             raise ConfigError(f"model.path {str(path)!r}: {exc}") from exc
         problems = model.load_state_dict(weights, strict=False)

@@ -122,7 +122,8 @@ def _tie(weights: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor
     config = _config(path)
     text = config.get("text_config") or {}
     if config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)) and "lm_head.weight" not in weights:
-        embed = [k for k in weights if k.endswith("embed_tokens.weight")]
+        # not an MTP layer's copy of it (DeepSeek-V3 ships one as model.layers.<N>.embed_tokens: miles.models.mtp)
+        embed = [k for k in weights if k.endswith("embed_tokens.weight") and ".layers." not in k]
         if len(embed) == 1:
             weights["lm_head.weight"] = weights[embed[0]]
     return weights

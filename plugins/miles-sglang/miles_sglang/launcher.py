@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from miles.engine.api import SpeculativeConfig, SubprocessLauncher
+from miles.engine.api import ConfigError, SpeculativeConfig, SubprocessLauncher, mtp_head_names
 import miles.precision
 from miles.precision import from_spec
 
@@ -51,10 +51,14 @@ def sglang_argv(model_path: str, *, host: str, port: int, tp_size: int = 1, weig
         argv += ["--admin-api-key", admin_token]
     if quantization:  # the model path is then a checkpoint in that stored form (rollout.precision)
         argv += ["--quantization", quantization]
-    if speculative is not None:  # a separate draft model: SGLang's STANDALONE algorithm, one chain of k proposals
-        argv += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
-                 str(speculative.draft["path"]), "--speculative-num-steps", str(speculative.num_tokens),
-                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(speculative.num_tokens + 1)]
+    if speculative is not None:  # one chain of k proposals (top-k 1), k + 1 tokens verified
+        if "mtp" in speculative.draft:  # the MTP layers the checkpoint ships, run by SGLang's EAGLE (NEXTN) worker
+            argv += ["--speculative-algorithm", "EAGLE"]
+        else:  # a separate draft model: SGLang's STANDALONE algorithm
+            argv += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
+                     str(speculative.draft["path"])]
+        argv += ["--speculative-num-steps", str(speculative.num_tokens), "--speculative-eagle-topk", "1",
+                 "--speculative-num-draft-tokens", str(speculative.num_tokens + 1)]
     return argv + [str(a) for a in extra_args]
 
 
@@ -74,8 +78,9 @@ class SGLangLauncher(SubprocessLauncher):
     (``rollout.precision``): the server starts from a copy of the model in the scheme's stored form with the matching
     ``--quantization`` (:data:`QUANTIZATION`), and the pushes (on disk) are in that form too. ``speculative``
     (:mod:`miles.engine.speculative`): a draft model directory (``draft: {path: ...}``) run by SGLang's
-    ``STANDALONE`` algorithm with ``num_tokens`` proposals a step; SGLang speculates at every step (``when:
-    always``), and its weight updates reach the target only (``train: false``)."""
+    ``STANDALONE`` algorithm, or the MTP head the checkpoint ships (``draft: mtp``) by its ``EAGLE`` (NEXTN)
+    worker, with ``num_tokens`` proposals a step; SGLang speculates at every step (``when: always``), and its weight
+    updates reach the target only (``train: false``)."""
 
     protocol = "sglang"
     logprobs_of_choices = ("sampling", "model")
@@ -143,9 +148,9 @@ class SGLangLauncher(SubprocessLauncher):
                                  f"(--quantization {', '.join(sorted(set(QUANTIZATION.values())))}); not {name}")
         if (speculative := args.get("speculative")) is not None:
             spec = SpeculativeConfig.parse(speculative)
-            if "path" not in spec.draft:
-                raise ValueError("speculative.draft: SGLang loads a draft model from a directory ({path: DIR}); a "
-                                 "draft built by Miles is for the local engine")
+            if "build" in spec.draft:
+                raise ValueError("speculative.draft: SGLang loads a draft model from a directory ({path: DIR}) or the "
+                                 "MTP head the checkpoint ships (mtp); a draft built by Miles is for the local engine")
             if spec.when != "always":
                 raise ValueError(f"speculative.when: SGLang speculates at every decode step; set when: always "
                                  f"(got {spec.when})")
@@ -166,6 +171,10 @@ class SGLangLauncher(SubprocessLauncher):
         return float(self._tp_size)
 
     def command(self, model_path: str, *, host: str, port: int, admin_token: str, threads: int) -> list[str]:
+        if self.speculative is not None and "mtp" in self.speculative.draft and not mtp_head_names(model_path):
+            raise ConfigError(f"speculative.draft: mtp: {model_path} ships no MTP head (layers past "
+                              f"num_hidden_layers with num_nextn_predict_layers, or mtp.* tensors); SGLang runs the "
+                              f"head a checkpoint ships, the local engine also builds one")
         quantization = None
         if self.scheme is not None:  # SGLang loads the stored form itself, from a checkpoint written in it
             self._stored_form = str(miles.precision.stored_form_copy(model_path, self.scheme,

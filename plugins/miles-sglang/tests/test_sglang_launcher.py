@@ -142,6 +142,36 @@ def test_a_speculative_draft_starts_sglang_with_its_standalone_flags(tiny_model_
         SGLangLauncher(extra_args=["--speculative-algorithm", "EAGLE"])
 
 
+def test_an_mtp_draft_starts_sglang_with_its_eagle_flags_on_the_heads_checkpoint(tiny_model_dir, tmp_path):
+    """``draft: mtp`` with SGLang: the EAGLE (NEXTN) worker runs the MTP layers the checkpoint ships, one chain of
+    k proposals; a checkpoint that ships no head is refused naming it (only the local engine builds one)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from miles.errors import ConfigError
+    from miles.models.hf import load_model_config
+    from miles.models.mtp import build_head, published_tensors
+
+    spec = {"draft": "mtp", "num_tokens": 2, "when": "always"}
+    with pytest.raises(ConfigError, match="ships no MTP head"):
+        SGLangLauncher(speculative=spec).command(str(tiny_model_dir), host="127.0.0.1", port=1234, admin_token="",
+                                                 threads=1)
+    model = shutil.copytree(tiny_model_dir, tmp_path / "with_head")
+    config = json.loads((model / "config.json").read_text())
+    head = build_head(load_model_config(model), seed=0)
+    save_file(published_tensors(head, config["num_hidden_layers"]), str(model / "mtp.safetensors"))
+    (model / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    argv = SGLangLauncher(speculative=spec).command(str(model), host="127.0.0.1", port=1234, admin_token="",
+                                                    threads=1)
+    flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--speculative")}
+    assert flags == {"--speculative-algorithm": "EAGLE", "--speculative-num-steps": "2",
+                     "--speculative-eagle-topk": "1", "--speculative-num-draft-tokens": "3"}
+    with pytest.raises(ValueError, match="reach the target model only"):
+        SGLangLauncher(speculative={**spec, "train": True})
+
+
 @pytest.mark.parametrize("args, message", [
     ({"tp_size": 0}, "tp_size"), ({"mem_fraction_static": 1.5}, "mem_fraction_static"), ({"dtype": "fp8"}, "dtype"),
     ({"extra_args": ["--port", "1"]}, "--port are set by Miles"), ({"extra_args": "--x"}, "extra_args"),

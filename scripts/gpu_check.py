@@ -320,7 +320,8 @@ def check_sglang_precision(dry: bool, tmp: Path) -> dict:
 def check_speculative(dry: bool, tmp: Path) -> dict:
     """The embedded engine with a draft (rollout.engine.speculative) on the GPU: greedy decoding gives plain
     decoding's tokens, the log-probs are the target's (float32: the same sums, ordered otherwise), and the tokens/s
-    of one row, plain and speculative. The models are random: the draft is the target's first layers (its
+    of one row, plain and speculative; the same with an MTP head (draft: mtp, built at random: the target's hidden
+    states and its output layer on CUDA). The models are random: the draft is the target's first layers (its
     agreement is what a trained draft's would be, not a figure to quote)."""
     import asyncio
 
@@ -341,7 +342,8 @@ def check_speculative(dry: bool, tmp: Path) -> dict:
     out: dict = {"params_m": round(params / 1e6, 1)}
     answers = {}
     for name, spec in (("plain", None), ("speculative", {"draft": {"path": str(tmp / "draft")}, "num_tokens": 4,
-                                                         "when": "always", "force": True})):
+                                                         "when": "always", "force": True}),
+                       ("mtp", {"draft": "mtp", "num_tokens": 2, "when": "always", "force": True})):
         engine = LocalEngine(device=_device(dry), dtype="float32", speculative=spec)
         engine.load_model(str(path))
         asyncio.run(engine.generate([1, 2, 3, 4], sampling))  # warm-up
@@ -352,14 +354,16 @@ def check_speculative(dry: bool, tmp: Path) -> dict:
         out[f"{name}_tokens_per_s"] = round(new_tokens / (time.perf_counter() - start), 1)
         if spec is not None:
             stats = engine.stats()
-            out["kept"] = round(stats["spec_accepted"] / max(1, stats["spec_proposed"]), 3)
+            out[f"{name}_kept"] = round(stats["spec_accepted"] / max(1, stats["spec_proposed"]), 3)
         engine.close()
-    plain, spec = answers["plain"], answers["speculative"]
-    assert plain["output_ids"] == spec["output_ids"], (plain["output_ids"], spec["output_ids"])
-    gap = max(abs(a[0] - b[0]) for a, b in zip(plain["meta_info"]["output_token_logprobs"],
-                                                spec["meta_info"]["output_token_logprobs"]))
-    out["logprob_abs_diff_max"] = gap
-    assert gap < 1e-4, gap
+    plain = answers["plain"]
+    for name in ("speculative", "mtp"):
+        spec = answers[name]
+        assert plain["output_ids"] == spec["output_ids"], (name, plain["output_ids"], spec["output_ids"])
+        gap = max(abs(a[0] - b[0]) for a, b in zip(plain["meta_info"]["output_token_logprobs"],
+                                                    spec["meta_info"]["output_token_logprobs"]))
+        out[f"{name}_logprob_abs_diff_max"] = gap
+        assert gap < 1e-4, (name, gap)
     return out
 
 

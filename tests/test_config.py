@@ -18,13 +18,32 @@ def test_defaults_file_and_overrides_merge():
     assert config.data.generator.name == "addition"
 
 
-def test_renaming_a_component_on_the_command_line_drops_the_old_arguments():
+def test_renaming_a_component_on_the_command_line_drops_the_old_arguments_and_says_which(capsys):
     config = load_config(QUICKSTART, ["backend.name=my_backend"])
     assert config.backend == {"name": "my_backend"}  # lr, max_grad_norm ... belonged to torch
-    config = load_config(QUICKSTART, ["backend.name=my_backend", "backend.beta=0.1"])
-    assert config.backend == {"name": "my_backend", "beta": 0.1}
+    assert capsys.readouterr().err.strip() == (
+        f"backend.name=my_backend replaces 'torch': its arguments from {QUICKSTART} are dropped (backend.lr, "
+        f"backend.max_grad_norm, backend.micro_batch_size); give those that apply to 'my_backend' again as overrides "
+        f"(backend.lr=...)")
+    config = load_config(QUICKSTART, ["backend.name=my_backend", "backend.lr=0.1"])
+    assert config.backend == {"name": "my_backend", "lr": 0.1}
+    assert "(backend.max_grad_norm, backend.micro_batch_size)" in capsys.readouterr().err  # lr: given again
     config = load_config(QUICKSTART, ["backend.name=torch", "backend.lr=0.3"])  # same name: arguments kept
     assert config.backend == {"name": "torch", "lr": 0.3, "max_grad_norm": 1.0, "micro_batch_size": 128}
+    assert capsys.readouterr().err == ""
+
+
+def test_miles_config_and_train_say_what_a_renamed_component_dropped(tmp_path, capsys):
+    from miles.cli import main
+
+    assert main(["config", QUICKSTART, "reward.name=f1"]) == 0
+    assert "reward.name=f1 replaces" not in capsys.readouterr().err  # the file gave exact_match no arguments
+    assert main(["config", QUICKSTART, "backend.name=my_backend"]) == 2  # no such backend: refused, after saying it
+    assert "dropped (backend.lr, backend.max_grad_norm, backend.micro_batch_size)" in capsys.readouterr().err
+    assert main(["train", QUICKSTART, "backend.name=my_backend", f"run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "backend.name=my_backend replaces 'torch': its arguments from" in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_unknown_key_and_wrong_type_reported_together():

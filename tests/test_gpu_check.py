@@ -45,7 +45,8 @@ def test_the_dry_run_prints_one_summary_with_every_check(tmp_path):
     assert precision["fp8_block_rollout"]["steps"] == 3 and precision["fp8_block_rollout"]["push_vs_bf16"] < 0.7
     assert precision["int4_rollout_qat"]["logprob_abs_diff"] * 5 < precision["int4_rollout"]["logprob_abs_diff"]
     speculative = checks["speculative"]
-    assert speculative["logprob_abs_diff_max"] < 1e-4 and speculative["speculative_tokens_per_s"] > 0
+    assert speculative["speculative_logprob_abs_diff_max"] < 1e-4 and speculative["speculative_tokens_per_s"] > 0
+    assert speculative["mtp_logprob_abs_diff_max"] < 1e-4 and speculative["mtp_tokens_per_s"] > 0
     assert "sglang" in checks["sglang_speculative"].get("skipped", "") or checks["sglang_speculative"]["steps"] == 3
 
 

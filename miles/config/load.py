@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import json
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -213,11 +214,14 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictC
 
     merged = schema.copy()
     problems: list[str] = []
+    given: dict[str, str] = {}  # each key set so far, and where
     for source, cfg in sources:
         container = OmegaConf.to_container(cfg, resolve=False)
         leaves = _leaves(container)
         if source == "overrides":
-            _reset_renamed_components(merged, leaves)
+            for notice in _reset_renamed_components(merged, leaves, given):
+                print(notice, file=sys.stderr)
+        given.update((key, source) for key, _ in leaves)
         for key, value in leaves:
             if isinstance(value, bool) and (_declared_type(schema, key) or (None,))[0] is str:
                 value = "true" if value else "false"  # YAML's spelling, not Python's 'True'
@@ -233,14 +237,26 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictC
     return merged
 
 
-def _reset_renamed_components(merged: DictConfig, leaves: list[tuple[str, Any]]) -> None:
-    """``reward.name=other`` on the command line drops the file's arguments for the old reward."""
+def _reset_renamed_components(merged: DictConfig, leaves: list[tuple[str, Any]],
+                              given: dict[str, str]) -> list[str]:
+    """``reward.name=other`` on the command line drops the file's arguments for the old reward (they were the old
+    component's); returns a notice for each component that had some, naming them (those the overrides give again
+    are not dropped)."""
+    notices = []
+    overridden = {key for key, _ in leaves}
     for key, value in leaves:
         node, _, leaf = key.rpartition(".")
         if leaf == "name" and node in COMPONENT_NODES:
             current = OmegaConf.select(merged, node)
             if isinstance(current, DictConfig) and current.get("name") != value:
                 OmegaConf.update(merged, node, {"name": value}, merge=False)
+                dropped = [k for k in given if k.startswith(node + ".") and k != key and k not in overridden]
+                if dropped:
+                    where = sorted({given[k] for k in dropped})
+                    notices.append(f"{key}={value} replaces {current.get('name')!r}: its arguments from "
+                                   f"{', '.join(where)} are dropped ({', '.join(dropped)}); give those that apply to "
+                                   f"{value!r} again as overrides ({dropped[0]}=...)")
+    return notices
 
 
 def _nest(key: str, value: Any) -> DictConfig:

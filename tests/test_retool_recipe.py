@@ -52,6 +52,10 @@ def test_the_recipe_runs_its_phases_with_the_real_sandbox(tmp_path):
     assert all(0 < r["rollout/observation_token_frac"] < 1 for r in steps if r["turns/max"] > 1)
     assert {"sft", "rl", "eval"} <= set(summary["time_s"])
     assert not [c for c in _descendants() if "bwrap" in c or "main.py" in c]  # no sandbox outlives the run
+    from miles.run.report import write_report
+
+    report = write_report(tmp_path)  # an agentic run's report plots its tools, turns and sandboxes
+    assert {"tool_calls", "tool_success", "turns", "observation_share", "sandbox_times"} <= set(report.plots)
 
 
 def test_code_that_never_ends_comes_back_as_a_timeout(chat_model_dir):

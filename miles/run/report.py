@@ -50,6 +50,7 @@ class Plot:
     title: str
     needs: Callable[[Metrics], str | None]
     draw: Callable[[Any, Metrics, dict[str, Any]], None]
+    family: str = ""  # what a run must be to have it (agentic, async, ...): left out, unlisted, of other runs
 
 
 def _needs(*keys: str) -> Callable[[Metrics], str | None]:
@@ -60,6 +61,13 @@ def _needs(*keys: str) -> Callable[[Metrics], str | None]:
         absent = [key for key in keys if key not in metrics.keys]
         listed = " or ".join(f"`{key}`" for key in keys)
         return f"metrics.jsonl has no {listed}" if absent == list(keys) else f"{listed}: null in every row"
+    return missing
+
+
+def _needs_nonzero(key: str) -> Callable[[Metrics], str | None]:
+    """The plot needs ``key`` with a value other than 0 (a share that is 0 in every run of another kind)."""
+    def missing(metrics: Metrics) -> str | None:
+        return None if any(metrics.series(key)[1]) else f"`{key}` is 0 or absent in every row"
     return missing
 
 
@@ -145,6 +153,20 @@ def _simple(key: str, ylabel: str, *more: str, from_zero: bool = True,
     return draw
 
 
+_POOL_KEYS = tuple(f"sandbox/pool_{n}" for n in ("reused", "started", "discarded", "empty"))  # the pool's COUNTS
+
+
+def _draw_kl(ax: Any, metrics: Metrics, summary: dict[str, Any]) -> None:
+    """``train/kl``: to the reference model, or (the run has none: ``regularization.kl_coef`` 0) to the policy
+    that sampled the batch, which the label says."""
+    reference = ((summary.get("config") or {}).get("regularization") or {}).get("kl_coef")
+    _line(ax, metrics, "train/approx_kl")
+    to = ("the reference model" if reference else
+          "the sampling policy: no reference model (regularization.kl_coef 0)" if reference is not None else None)
+    _line(ax, metrics, "train/kl", f"train/kl, to {to}" if to else None)
+    ax.set_ylabel("nats/token")
+
+
 def _draw_lengths(ax: Any, metrics: Metrics, summary: dict[str, Any]) -> None:
     """Each step's response lengths: the 10th-90th percentile band, the median, the mean and the longest."""
     steps, low = metrics.series("response/length_p10")
@@ -172,8 +194,7 @@ PLOTS: list[Plot] = [
          _simple("rollout/tokens_per_s", "tokens / s", "train/tokens_per_s")),
     # RL health: what a practitioner checks when a run stops learning or blows up
     Plot("loss", "Training loss", _needs("train/loss"), _simple("train/loss", "loss", from_zero=False)),
-    Plot("kl", "KL estimates", _needs("train/approx_kl", "train/kl"),
-         _simple("train/approx_kl", "nats/token", "train/kl", from_zero=False)),
+    Plot("kl", "KL estimates", _needs("train/approx_kl", "train/kl"), _draw_kl),
     Plot("entropy", "Policy entropy", _needs("train/entropy"), _simple("train/entropy", "nats/token")),
     Plot("grad_norm", "Gradient norm (before clipping)", _needs("train/grad_norm"),
          _simple("train/grad_norm", "L2 norm", log=True)),
@@ -181,6 +202,42 @@ PLOTS: list[Plot] = [
          _simple("train/clip_frac", "fraction of trained tokens clipped")),
     Plot("nonzero_advantage", "Samples with a learning signal", _needs("train/nonzero_adv_frac"),
          _simple("train/nonzero_adv_frac", "fraction with a non-zero advantage")),
+    # agentic runs: tools, turns, what the environment wrote, sandboxes
+    Plot("tool_calls", "Tool calls per step", _needs("tools/calls"),
+         _simple("tools/calls", "calls", "tools/parse_errors", "tools/schema_errors", "tools/timeouts"),
+         family="agentic"),
+    Plot("tool_success", "Tool calls that succeeded", _needs("tools/success_rate"),
+         _simple("tools/success_rate", "fraction of calls"), family="agentic"),
+    Plot("turns", "Turns per sample", _needs("turns/mean"),
+         _simple("turns/mean", "turns", "turns/max", "turns/cut"), family="agentic"),
+    Plot("observation_share", "Response tokens from tools and environments",
+         _needs_nonzero("rollout/observation_token_frac"),
+         _simple("rollout/observation_token_frac", "fraction of response tokens (loss mask 0)"), family="agentic"),
+    Plot("sandbox_times", "Sandbox times", _needs("sandbox/exec_s_p50", "sandbox/reset_s_p50"),
+         _simple("sandbox/exec_s_p50", "seconds", "sandbox/exec_s_p99", "sandbox/reset_s_p50",
+                 "sandbox/reset_s_p99", log=True), family="agentic"),
+    Plot("sandbox_pool", "Sandbox pool per step", _needs(*_POOL_KEYS),
+         _simple(_POOL_KEYS[0], "sandboxes", *_POOL_KEYS[1:]), family="agentic"),
+    # asynchronous schedules
+    Plot("staleness", "Staleness of the trained samples", _needs("async/staleness_mean"),
+         _simple("async/staleness_mean", "weight versions behind", "async/staleness_max"), family="async"),
+    Plot("async_waits", "Waits", _needs("async/trainer_wait_s", "async/rollout_wait_s"),
+         _simple("async/trainer_wait_s", "seconds", "async/rollout_wait_s"), family="async"),
+    # the engine against the trainer (low precision), and its correction
+    Plot("mismatch", "Engine-trainer mismatch", _needs("train/rollout_kl"),
+         _simple("train/rollout_kl", "KL(engine || trainer), nats/token", log=True), family="precision"),
+    Plot("correction", "Tokens the importance-ratio correction clipped or masked", _needs("train/is_clipped_frac"),
+         _simple("train/is_clipped_frac", "fraction of trained tokens"), family="precision"),
+    # speculative rollouts
+    Plot("speculation", "Speculative proposals kept", _needs("rollout/spec_accept_rate"),
+         _simple("rollout/spec_accept_rate", "fraction kept"), family="speculation"),
+    Plot("speculation_tokens", "Tokens per target forward", _needs("rollout/spec_tokens_per_forward"),
+         _simple("rollout/spec_tokens_per_forward", "tokens"), family="speculation"),
+    Plot("draft_loss", "Speculative draft's loss", _needs("rollout/spec_draft_loss"),
+         _simple("rollout/spec_draft_loss", "KL to the policy (nats/token)", log=True), family="speculation"),
+    # mixture-of-experts models
+    Plot("routing", "Mixture-of-experts routing", _needs("train/routing_mismatch_frac", "moe/expert_load_max_frac"),
+         _simple("train/routing_mismatch_frac", "fraction", "moe/expert_load_max_frac"), family="moe"),
 ]
 
 
@@ -234,19 +291,21 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     metrics = read_metrics(run_dir)
     Figure, FigureCanvasAgg, MaxNLocator = _matplotlib()
     summary = _read_json(run_dir / "summary.json")
+    context = {**summary, "config": _read_yaml(run_dir / "config.yaml")}  # what the plots may say of the run
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out, out / "index.html")
     for plot in PLOTS:
         reason = plot.needs(metrics)
         if reason is not None:
-            report.skipped[plot.name] = reason
+            if not plot.family:  # a plot of every run: the index says why it is missing
+                report.skipped[plot.name] = reason
             (out / f"{plot.name}.png").unlink(missing_ok=True)  # a plot of an earlier report of other metrics
             continue
         figure = Figure(figsize=FIGURE_SIZE_IN, dpi=DPI, layout="constrained")
         FigureCanvasAgg(figure)
         ax = figure.add_subplot()
-        plot.draw(ax, metrics, summary)
+        plot.draw(ax, metrics, context)
         labels = ax.get_legend_handles_labels()[1]
         ax.set_title(f"{plot.title}: {labels[0]}" if len(labels) == 1 else plot.title, fontsize=11)
         ax.set_xlabel("RL step")
@@ -261,6 +320,16 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         report.trajectories = write_viewer(trajectories, out / "trajectories", back="../index.html")
     report.index.write_text(_index_html(run_dir, metrics, summary, report, trajectories), encoding="utf-8")
     return report
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -73,11 +73,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from miles.run.settings import check_settings
 
     p = prepare(args.config, args.overrides)
-    if args.check:
+    if args.check or args.target:
         from miles.registry import plugin_stack
+        from miles.run.placement import Target
         from miles.run.preflight import preflight
 
-        preflight(p, plugin_stack(p.pm, p.registry)).discard()
+        target = Target.read(args.target) if args.target else None
+        preflight(p, plugin_stack(p.pm, p.registry), target).discard()
     else:
         check_settings(p)
     print(OmegaConf.to_yaml(p.config), end="")
@@ -337,7 +339,11 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("overrides", nargs="*")
     config.add_argument("--check", action="store_true",
                         help="also make every check `miles train` makes before it starts: the model and tokenizer "
-                             "load, the data encodes, the checkpoint to resume from fits, the resources exist")
+                             "load, the data encodes, the checkpoint to resume from fits, the resources exist "
+                             "(GPUs and their memory, the packages the engine needs)")
+    config.add_argument("--target", metavar="CLUSTER_YAML",
+                        help="with --check (implied): check the GPUs against a declared cluster instead of this "
+                             "machine (nodes: [{count, gpus, gpu_memory_gib, gpu_model}]) and print the placement")
     config.set_defaults(func=_cmd_config)
 
     plugins = sub.add_parser("plugins", help="list installed plugins and what each registered")

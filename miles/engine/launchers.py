@@ -163,6 +163,11 @@ class SubprocessLauncher:
     def environment(self, *, threads: int, admin_token: str) -> dict[str, str]:
         return {"OMP_NUM_THREADS": str(threads)}
 
+    def missing_packages(self) -> list[str]:
+        """What the server needs and this machine lacks, each named with how to get it (checked before the run
+        starts: ``miles config``)."""
+        return []
+
     @property
     def tp_size(self) -> int:
         return 1

@@ -33,7 +33,8 @@ from miles.models.hf import build_model_dir, context_length, load_tokenizer, set
 from miles.rewards.labels import LabelNeed, label_need
 from miles.models.vision import ImageEncoder
 from miles.rollout.data_source import Prompt, check_labels, check_unknown_tokens, encode_rows, read_rows, where_in_file
-from miles.run.settings import check_settings, lora_options
+from miles.run.placement import Target, check_machine
+from miles.run.settings import check_settings, lora_options, trial_backends
 from miles.train.prefix_tree import config_sharing_problem, parse_share_prefixes
 
 __all__ = ["Staged", "chat_format", "eval_inputs", "preflight", "run_tokenizer"]
@@ -211,6 +212,18 @@ def _check_engine(p: Any, model_path: str) -> None:
             raise ConfigError(f"rollout.engine: {exc}") from exc
 
 
+def _check_placement(p: Any, model_path: str, target: Target | None) -> None:
+    """The GPUs and their memory the run needs, against ``target`` (this machine unless the run joins a Ray
+    cluster); the table is printed when the run takes GPUs or serves engines on Ray."""
+    if target is None and p.config.cluster.address:
+        return  # a cluster whose GPUs are known once joined: miles config --check --target describes one
+    target = target if target is not None else Target.this_machine()
+    table, takes_gpus = check_machine(p, trial_backends(p), target, model_path)
+    _, extra = split_node(p.config.rollout.engine, "rollout.engine")
+    if takes_gpus or extra.get("num_engines", 0):
+        print(table, file=sys.stderr)
+
+
 def _resume_checkpoint(run_dir: Path, p: Any, base_model: str, stack: list[dict[str, Any]]) -> Checkpoint | None:
     found, skipped = newest_intact_checkpoint(run_dir / "checkpoints")
     for problem in skipped:
@@ -343,8 +356,10 @@ def eval_inputs(p: Any, model_path: str) -> tuple[Any, list[EvalSet]]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
-    """Check everything that can be checked without training; build what must be built, outside run.dir."""
+def preflight(p: Any, stack: list[dict[str, Any]], target: Target | None = None) -> Staged:
+    """Check everything that can be checked without training; build what must be built, outside run.dir.
+    ``target``: the machine or declared cluster the run must fit (:mod:`miles.run.placement`; default this machine,
+    none when the run joins a Ray cluster)."""
     config, run_cfg = p.config, p.config.run
     run_dir, ray_num_cpus = check_settings(p)
     staging = scratch_folder("staging")
@@ -366,6 +381,7 @@ def preflight(p: Any, stack: list[dict[str, Any]]) -> Staged:
         _check_lora(p, model_path)
         _check_precision(p, model_path)
         _check_engine(p, model_path)
+        _check_placement(p, model_path, target)
         context, room = context_length(model_path), int(config.rollout.sampling.max_new_tokens)
         policy = data_cfg.overlong_prompts
         train_prompts, dropped = _fit_context(train_prompts, train_path, room, context, policy)

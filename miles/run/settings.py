@@ -15,6 +15,7 @@ from miles.config.validate import component_node, split_node
 from miles.errors import ConfigError
 from miles.hookspecs import LoraEngine, uses_ray
 from miles.run.lock import LOCK_NAME
+from miles.run.placement import refused_pairs
 from miles.train.assemble import build_backend
 
 __all__ = ["batch_arithmetic", "check_cpus", "check_lora", "check_run_dir", "check_settings", "lora_options",
@@ -147,6 +148,7 @@ def check_settings(p: Any) -> tuple[Path, int | None]:
         raise ConfigError("backend.routing_replay: replaying the engine's expert choices needs them in the samples; "
                           "set rollout.return_routed_experts: true")
     check_lora(p)
+    refused_pairs(p)
     if p.config.run.steps > 0:
         batch_arithmetic(p.config)
     return run_dir, check_cpus(p.config, backend)

@@ -189,6 +189,16 @@ class SGLangLauncher(SubprocessLauncher):
                            admin_token=admin_token, extra_args=self.extra_args, python=self.python,
                            quantization=quantization, speculative=self.speculative)
 
+    def missing_packages(self) -> list[str]:
+        import importlib.util
+
+        if self.python is None and importlib.util.find_spec("sglang") is None:
+            return [f"sglang (pip install 'sglang[all]' into {sys.executable}, or set rollout.engine.python to an "
+                    f"interpreter that has it)"]
+        if self.python is not None and not os.access(self.python, os.X_OK):
+            return [f"the interpreter rollout.engine.python={self.python!r} (not an executable file)"]
+        return []
+
     def stop(self) -> None:
         super().stop()
         if self._stored_form is not None:

@@ -152,7 +152,8 @@ def check_sample(driver, run_dir, step, position):
     classes = driver.execute_script("return [...document.querySelectorAll('#tokens span')].map(s => s.className)")
     assert len(classes) == len(record["tokens"])  # one span per token
     assert classes == ["tok pol" if m else "tok obs" for m in record["loss_mask"]]
-    texts = driver.execute_script("return [...document.querySelectorAll('#tokens span')].map(s => s.textContent)")
+    texts = driver.execute_script(
+        "return [...document.querySelectorAll('#tokens span')].map(s => s.firstChild.textContent)")
     assert [t.replace("↵", "").replace("→", "") for t in texts] == [t or "∅" for t in record["tokens"]]
     shown = driver.find_element(By.ID, "d-advantage").text
     assert (shown == "—") if record["advantage"] is None else float(shown) == pytest.approx(record["advantage"],
@@ -164,6 +165,30 @@ def check_sample(driver, run_dir, step, position):
     errors = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#tool-calls .error")]
     assert errors == [f"error: {call['error']}" for call in record["tool_calls"] if call["error"]]
     return record
+
+
+def check_values_view(driver, record):
+    """The values view: under each token, shown, its rollout log-prob and advantage (· for an observation)."""
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(By.ID, "view-values").click()
+    assert driver.find_element(By.CSS_SELECTOR, ".legend-values").is_displayed()
+    assert not driver.find_element(By.CSS_SELECTOR, ".legend-gap").is_displayed()
+    shown = driver.execute_script("return [...document.querySelectorAll('#tokens span')].map(s => "
+                                  "[...s.querySelectorAll('.vals i')].map(i => i.innerText))")
+    assert len(shown) == len(record["tokens"])
+    for i, (mask, (logprob, advantage)) in enumerate(zip(record["loss_mask"], shown)):
+        if not mask:
+            assert (logprob, advantage) == ("·", "·"), i
+            continue
+        assert float(logprob) == pytest.approx(record["rollout_logprobs"][i], rel=1e-3, abs=1e-12), i
+        assert float(advantage) == pytest.approx(record["advantages"][i], rel=1e-3, abs=1e-12), i
+    first = record["loss_mask"].index(1)
+    assert driver.find_elements(By.CSS_SELECTOR, "#tokens span")[first].find_element(
+        By.CSS_SELECTOR, ".v-logprob").is_displayed()
+    driver.find_element(By.ID, "view-mask").click()
+    assert not driver.find_elements(By.CSS_SELECTOR, "#tokens span")[first].find_element(
+        By.CSS_SELECTOR, ".v-logprob").is_displayed()
 
 
 def test_served_viewer_shows_the_steps_filters_and_a_multi_turn_sample(retool_run, browser):
@@ -227,6 +252,7 @@ def test_served_viewer_shows_the_steps_filters_and_a_multi_turn_sample(retool_ru
         expected_gaps = [abs(t - r) if m else None for m, t, r in
                          zip(record["loss_mask"], record["train_logprobs"], record["rollout_logprobs"])]
         assert [float(g) if g is not None else None for g in gaps] == pytest.approx(expected_gaps, abs=1e-9)
+        check_values_view(browser, record)  # the numbers as a visible row, tool output and policy tokens both
 
 
 def test_served_viewer_shows_images_and_gives_out_only_the_run_s_files(vlm_run, browser):
@@ -241,6 +267,8 @@ def test_served_viewer_shows_images_and_gives_out_only_the_run_s_files(vlm_run, 
             wait_for(browser, "#samples tbody tr")
             for position, record in enumerate(records(vlm_run, step)):
                 check_sample(browser, vlm_run, step, position)
+                if position == 0:
+                    check_values_view(browser, record)
                 images = browser.find_elements(By.CSS_SELECTOR, "#images img")
                 assert len(images) == len(record["images"]) == 1
                 assert browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth",

@@ -229,6 +229,16 @@ def load_model_config(path: str | Path) -> object:
     return AutoConfig.from_pretrained(_check_dir(path))
 
 
+def model_on_meta(path: str | Path) -> PreTrainedModel:
+    """The model of the checkpoint at ``path`` on the meta device: its modules and shapes, nothing allocated or
+    read (a stored form's quantization config left out)."""
+    config = load_model_config(path)
+    if getattr(config, "quantization_config", None):
+        del config.quantization_config
+    with torch.device("meta"):
+        return _model_class(config).from_config(config)
+
+
 def causal_lm_from_config(config, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A random-init causal LM of ``config`` (the caller seeds torch)."""
     return AutoModelForCausalLM.from_config(config, dtype=dtype)

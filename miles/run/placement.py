@@ -168,14 +168,10 @@ def demands(p: Any, backend: Any, target: Target, model_path: str | None = None)
 
 def _parameters(model_path: str) -> tuple[int, Any]:
     """The parameter count of the model at ``model_path`` (built on the meta device), and its config."""
-    import torch
-
     from miles.models import hf
 
-    config = hf.load_model_config(model_path)
-    with torch.device("meta"):
-        model = hf.causal_lm_from_config(config)
-    return sum(t.numel() for t in model.parameters()), config
+    model = hf.model_on_meta(model_path)
+    return sum(t.numel() for t in model.parameters()), model.config
 
 
 def place(found: list[Demand], target: Target) -> list[tuple[str, int, str]]:

@@ -221,7 +221,10 @@
         policy ? "policy token (loss mask 1)" : "observation (loss mask 0: not trained on)",
         `rollout log-prob: ${fmt(policy ? at(s.rollout_logprobs) : null)}`, `train log-prob: ${fmt(at(s.train_logprobs))}`,
         `|train - rollout|: ${gap === null ? "—" : gap.toExponential(2)}`, `advantage: ${fmt(at(s.advantages))}`];
-      const span = el("span", {class: policy ? "tok pol" : "tok obs", title: title.join("\n")}, tokenText(token));
+      // the numbers, under the token in the "values" view: its rollout log-prob and its advantage
+      const values = el("small", {class: "vals"}, el("i", {class: "v-logprob"}, policy ? fmt(at(s.rollout_logprobs)) : "·"),
+        el("i", {class: "v-advantage"}, policy ? fmt(at(s.advantages)) : "·"));
+      const span = el("span", {class: policy ? "tok pol" : "tok obs", title: title.join("\n")}, tokenText(token), values);
       if (gap !== null) {
         span.style.setProperty("--gap", gapColour(gap));
         span.dataset.gap = gap;
@@ -245,6 +248,8 @@
           el("div", {class: "ticks"}, ticks)),
         el("span", {class: "tok obs"}, "observation"), " not sampled: no gap; ",
         el("span", {class: "tok pol nogap"}, "grey"), " no trainer log-prob (failed sample, rollout-only run)"),
+      el("div", {class: "legend legend-values"}, "under each policy token: its log-prob as the engine sampled it, then "
+        + "its advantage (· for an observation: not sampled, not trained on)"),
     ];
   }
 
@@ -302,7 +307,8 @@
       onchange: () => { tokenView = value; response.className = "view-" + value; },
     }), " " + label);
     response.append(el("div", {class: "toggle"}, "shade tokens by: ", toggle("mask", "loss mask"),
-      toggle("gap", "log-prob gap (rollout vs training)")), ...legend(), renderTokens(s));
+      toggle("gap", "log-prob gap (rollout vs training)"), toggle("values", "loss mask, with each token's log-prob and advantage")),
+      ...legend(), renderTokens(s));
     box.append(el("h3", {}, `Response: ${s.tokens.length} tokens`), response,
       el("h3", {}, "Response text (what the reward scored)"), el("pre", {id: "response-text"}, s.response_text || ""));
     box.append(el("h3", {}, `Tool calls (${s.tool_calls.length})`),

@@ -49,11 +49,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    """The eval section's datasets on a trained model: one line per metric, or JSON."""
-    from miles.run.runner import evaluate_model, prepare
+    """The eval section's datasets on a trained model: one line per metric, or JSON. What can be checked without
+    the model or the data (the config, the files it names, the model's folder) is, before torch is imported."""
+    from miles.config.prepared import prepare
+    from miles.errors import ConfigError
+    from miles.run.hub import local_model_problem
+    from miles.run.settings import check_paths
+
+    p = prepare(args.config, args.overrides)
+    check_paths(p.config)
+    if problem := local_model_problem(args.model, "--model"):
+        raise ConfigError(problem)
+    from miles.run.runner import evaluate_model
 
     with interrupts.handling():
-        metrics = evaluate_model(prepare(args.config, args.overrides), args.model)
+        metrics = evaluate_model(p, args.model)
     if args.json:
         print(json.dumps(metrics, indent=1))
     else:

@@ -129,7 +129,7 @@ def test_multi_turn_rollouts_are_evaluated_through_their_env(tmp_path):
     ("eval.datasets=[{name: a}, {name: a}]", "eval.datasets[1].name: 'a' names two datasets"),
     ("eval.datasets=[{name: a, nn: 2}]", "unknown config key 'eval.datasets[0].nn'"),
     ("eval.datasets=[{name: a, path: /nonexistent.jsonl}]",
-     "eval.datasets[0] (a).path: '/nonexistent.jsonl' is not a file"),
+     "eval.datasets[0] (a).path: data file '/nonexistent.jsonl' does not exist"),
 ])
 def test_bad_eval_sections_exit_2_naming_the_key(tmp_path, capsys, override, message):
     code = main(["train", "configs/quickstart.yaml", f"run.dir={tmp_path / 'run'}", "run.progress=false", override])

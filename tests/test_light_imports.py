@@ -89,13 +89,34 @@ print(json.dumps([code, err.getvalue()]))
     (["rollout.n_sample=8"], "rollout.n_sample"),  # a misspelt key
     (["backend.mini_batches=3"], "backend.mini_batches=3 does not divide rollout.prompts_per_step=16"),
     (["run.dir=README.md"], "run.dir 'README.md' is a file"),  # a run directory that cannot be one
+    (["data.train_path=/nowhere/train.jsonl"], "data.train_path: data file '/nowhere/train.jsonl' does not exist"),
+    (["data.eval_path=README.md"], "data.eval_path: data file 'README.md': unsupported extension '.md'"),
+    (["model.path=/nowhere/model"], "model.path '/nowhere/model': no such directory, nor a Hugging Face Hub model id"),
+    (["model.path=configs"], "model.path 'configs' is not an HF model directory (no config.json there)"),
+    (["reward.name=nope"], "unknown reward 'nope' (at reward.name)"),  # a plugin name that is registered nowhere
 ])
 def test_miles_train_refuses_a_config_before_importing_torch(overrides, message):
-    """What ``miles config`` checks, ``miles train`` checks first: a typo costs a second, not torch's import."""
-    out = subprocess.run([sys.executable, "-c", PROBE.format(body=REFUSED.format(
-        argv=["train", "configs/quickstart.yaml", *overrides]), heavy=HEAVY)], capture_output=True, text=True,
-        timeout=300)
+    """What ``miles config`` checks, ``miles train`` checks first: a typo, a wrong path or an unknown plugin name
+    costs a second, not torch's import (counted by what was imported, not by a clock)."""
+    assert _refused(["train", "configs/quickstart.yaml", *overrides], message) == []
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["configs/quickstart.yaml", "rollout.n_sample=8"], "rollout.n_sample"),
+    (["configs/quickstart.yaml", "data.train_path=/nowhere/train.jsonl"], "data file '/nowhere/train.jsonl' does"),
+    (["configs/quickstart.yaml", "reward.name=nope"], "unknown reward 'nope' (at reward.name)"),
+    (["--model", "/nowhere/model", "configs/quickstart.yaml"], "--model '/nowhere/model': no such directory"),
+])
+def test_miles_eval_refuses_a_config_before_importing_torch(tmp_path, argv, message):
+    argv = argv if "--model" in argv else ["--model", "configs", *argv]  # a folder: the model is not looked at
+    assert _refused(["eval", *argv], message) == []
+
+
+def _refused(argv, message):
+    """The heavy packages imported by the time ``argv`` exited 2 with ``message``."""
+    out = subprocess.run([sys.executable, "-c", PROBE.format(body=REFUSED.format(argv=argv), heavy=HEAVY)],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     (code, err), heavy = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
     assert code == 2 and message in err, err
-    assert heavy == []
+    return heavy

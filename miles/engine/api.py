@@ -15,7 +15,14 @@ from miles.engine.launchers import SubprocessLauncher
 from miles.engine.speculative import SpeculativeConfig
 from miles.errors import ConfigError, RunError
 from miles.hookspecs import is_server_launcher
-from miles.models.mtp import head_names as mtp_head_names
 
 __all__ = ["ConfigError", "RunError", "SpeculativeConfig", "SubprocessLauncher", "is_server_launcher",
            "mtp_head_names"]
+
+
+def mtp_head_names(model_path: str) -> dict[str, str]:
+    """The names of the MTP head's tensors in the checkpoint at ``model_path`` (empty: it ships none); see
+    :func:`miles.models.mtp.head_names`. Imports torch only when called."""
+    from miles.models.mtp import head_names
+
+    return head_names(model_path)

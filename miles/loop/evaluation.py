@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 from statistics import fmean
 from typing import Any, Callable
 
 from miles.agentic.metrics import agentic_metrics
 from miles.errors import ConfigError
 from miles.rollout.context import RolloutContext
-from miles.rollout.data_source import Prompt, encode_rows, read_rows
+from miles.rollout.data_source import Prompt, data_file_problem, encode_rows, read_rows
 from miles.rollout.generate import make_groups, run_rollouts
 from miles.rewards.scoring import score_samples
 from miles.types import SampleStatus
@@ -67,8 +66,8 @@ def read_eval_sets(config: Any, tokenizer: Any, eval_path: str | None, context: 
         if not path:
             raise ConfigError(f"{where}.path: no file to evaluate on; set it, or data.eval_path (or a data generator "
                               f"with an eval split) for datasets without a path")
-        if not Path(path).is_file():
-            raise ConfigError(f"{where}.path: {str(path)!r} is not a file (expected JSONL or Parquet)")
+        if problem := data_file_problem(path):
+            raise ConfigError(f"{where}.path: {problem}")
         rows = read_rows(path, data_cfg.prompt_key, None, images is not None)
         rows = rows[: ds.max_prompts] if ds.max_prompts else rows
         prompts = encode_rows(rows, tokenizer, prompt_key=data_cfg.prompt_key, label_key=data_cfg.label_key,

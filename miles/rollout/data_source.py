@@ -53,6 +53,17 @@ class Rows(list):
         return super().__getitem__(item)
 
 
+def data_file_problem(path: str | Path) -> str | None:
+    """What makes ``path`` no data file Miles reads (it is not there, or not JSONL or Parquet); None when it is one.
+    Checked before anything heavy is imported (``miles config``, the start of ``miles train``)."""
+    path = Path(path)
+    if not path.is_file():
+        return f"data file {str(path)!r} does not exist (expected a .jsonl or .parquet file)"
+    if path.suffix.lower() not in _FORMATS:
+        return f"data file {str(path)!r}: unsupported extension {path.suffix!r}; expected .jsonl or .parquet"
+    return None
+
+
 def read_rows(path: str | Path, prompt_key: str, label_key: str | None, images: bool = False) -> Rows:
     """All rows of a JSONL or Parquet file, checked to hold ``prompt_key`` (and ``label_key``), every row with
     every column of the file (None where a JSONL row has not got it). Every image the prompts name is checked;
@@ -61,11 +72,9 @@ def read_rows(path: str | Path, prompt_key: str, label_key: str | None, images: 
     A JSONL line is taken as JSON reads it: a label ``"007"`` stays that string and ``7`` an integer, where
     ``datasets`` would make both numbers of one type (``7.0``, or ``7`` for ``"007"`` in a column of mixed types)."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file {str(path)!r} does not exist (expected a .jsonl or .parquet file)")
-    builder = _FORMATS.get(path.suffix.lower())
-    if builder is None:
-        raise DataError(f"data file {str(path)!r}: unsupported extension {path.suffix!r}; expected .jsonl or .parquet")
+    if problem := data_file_problem(path):
+        raise DataError(problem)
+    builder = _FORMATS[path.suffix.lower()]
     if builder == "json":
         lines, raw = zip(*_read_jsonl(path))
     else:

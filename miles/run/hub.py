@@ -14,7 +14,7 @@ from pathlib import Path
 
 from miles.errors import ConfigError, DataError
 
-__all__ = ["HUB_DATA", "is_hub_data", "model_folder", "stage_hub_split"]
+__all__ = ["HUB_DATA", "is_hub_data", "local_model_problem", "model_folder", "stage_hub_split"]
 
 HUB_DATA = "hf:"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -26,15 +26,25 @@ def is_hub_data(path: str | None) -> bool:
     return isinstance(path, str) and path.startswith(HUB_DATA)
 
 
-def model_folder(path: str, key: str = "model.path") -> str:
-    """The local folder of ``path``: itself when it is one, else the Hub model of that id (fetched or cached)."""
+def local_model_problem(path: str, key: str = "model.path") -> str | None:
+    """What makes ``path`` neither an HF model directory nor a Hub model id; None when it may be one (a Hub id is
+    looked up only when the model is fetched). Checked before anything heavy is imported."""
     if Path(path).is_dir():
         if not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"{key} {path!r} is not an HF model directory (no config.json there)")
-        return str(path)
+            return f"{key} {path!r} is not an HF model directory (no config.json there)"
+        return None
     if not _REPO_ID.match(path):
-        raise ConfigError(f"{key} {path!r}: no such directory, nor a Hugging Face Hub model id ('org/name'); "
-                          f"expected an HF-format model directory or a Hub id such as Qwen/Qwen3-0.6B")
+        return (f"{key} {path!r}: no such directory, nor a Hugging Face Hub model id ('org/name'); expected an "
+                f"HF-format model directory or a Hub id such as Qwen/Qwen3-0.6B")
+    return None
+
+
+def model_folder(path: str, key: str = "model.path") -> str:
+    """The local folder of ``path``: itself when it is one, else the Hub model of that id (fetched or cached)."""
+    if problem := local_model_problem(path, key):
+        raise ConfigError(problem)
+    if Path(path).is_dir():
+        return str(path)
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import HfHubHTTPError
 

@@ -252,16 +252,14 @@ def check_machine(p: Any, backend: Any, target: Target, model_path: str | None =
 
 
 def refused_pairs(p: Any) -> None:
-    """Options that work alone and not together, refused before anything starts: a weight transport that cannot
-    reach the engines' servers."""
-    from miles.rollout.assemble import engine_launcher
-
+    """Options that work alone and not together, refused before anything starts (and before anything heavy is
+    imported): a weight transport that cannot reach the engines' servers."""
     args, extra = split_node(p.config.rollout.engine, "rollout.engine")
-    if not extra.get("num_engines", 0) or not is_server_launcher(p.registry.get("rollout_engine", args["name"]).obj):
-        return
-    launcher = engine_launcher(p, args)
     transport = component_node(p.config.rollout.weight_sync).get("name", "auto")
-    if launcher.protocol == "sglang" and transport in ("tensor", "shm"):
+    if transport not in ("tensor", "shm") or not extra.get("num_engines", 0):
+        return
+    launcher = p.registry.get("rollout_engine", args["name"]).obj  # its class: what it serves with
+    if is_server_launcher(launcher) and getattr(launcher, "protocol", None) == "sglang":
         raise ConfigError(f"rollout.weight_sync: {transport!r} cannot update SGLang servers (rollout.engine: "
                           f"{args['name']}): SGLang's /update_weights_from_tensor takes handles to tensors in the "
                           f"sender's GPU memory, not bytes, and it has no shared-memory endpoint. Use disk, "

@@ -12,14 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from miles.config.validate import component_node, split_node
-from miles.errors import ConfigError
+from miles.errors import ConfigError, DataError
 from miles.hookspecs import LoraEngine, uses_ray
+from miles.rollout.data_source import data_file_problem
+from miles.run.hub import is_hub_data, local_model_problem
 from miles.run.lock import LOCK_NAME
 from miles.run.placement import refused_pairs
 from miles.train.assemble import build_backend
 
-__all__ = ["batch_arithmetic", "check_cpus", "check_lora", "check_run_dir", "check_settings", "lora_options",
-           "ray_reservation", "trial_backends"]
+__all__ = ["batch_arithmetic", "check_cpus", "check_lora", "check_paths", "check_run_dir", "check_settings",
+           "lora_options", "ray_reservation", "trial_backends"]
 
 
 def check_run_dir(run_cfg: Any) -> Path:
@@ -139,10 +141,23 @@ def check_lora(p: Any) -> None:
                           "backend.lora.sync=merged, or keep the engine's memory")
 
 
+def check_paths(config: Any) -> None:
+    """The model and data files the config names are there (a Hub id or dataset is looked up later, when fetched)."""
+    if config.model.path is not None and (problem := local_model_problem(str(config.model.path))):
+        raise ConfigError(problem)
+    named = [(f"data.{key}", config.data[key]) for key in ("train_path", "eval_path")]
+    named += [(f"eval.datasets[{i}] ({ds.name}).path", ds.path) for i, ds in enumerate(config.eval.datasets)]
+    for key, path in named:
+        if path is not None and not is_hub_data(str(path)) and (problem := data_file_problem(str(path))):
+            raise DataError(f"{key}: {problem}")
+
+
 def check_settings(p: Any) -> tuple[Path, int | None]:
     """The checks that read neither model nor data (``miles config`` makes these only; they import no torch): the
-    run directory, the backend's options, the batch arithmetic, the CPUs. Returns (run.dir, CPUs for local Ray)."""
+    run directory, the files it names, the backend's options, the batch arithmetic, the CPUs. Returns (run.dir, CPUs
+    for local Ray)."""
     run_dir = check_run_dir(p.config.run)
+    check_paths(p.config)
     backend = trial_backends(p)
     if component_node(p.config.backend).get("routing_replay", False) and not p.config.rollout.return_routed_experts:
         raise ConfigError("backend.routing_replay: replaying the engine's expert choices needs them in the samples; "

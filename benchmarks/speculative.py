@@ -180,6 +180,7 @@ def main() -> None:
     plain_s = seconds
     for rows in args.tail_rows:
         engine = engine_of(target, {**spec, "when": "tail", "tail_rows": rows})
+        generate(engine, prompts[:1], 4)  # warm up, as the plain engine was
         answers, seconds = generate(engine, prompts, 70)
         exact = sum(a["text"] == answer for a, (_, answer) in zip(answers, batch)) / len(batch)
         tokens = sum(len(a["output_ids"]) for a in answers)

@@ -92,7 +92,11 @@ def _cmd_config(args: argparse.Namespace) -> int:
         preflight(p, plugin_stack(p.pm, p.registry), target).discard()
     else:
         check_settings(p)
-    print(OmegaConf.to_yaml(p.config), end="")
+    shown = OmegaConf.to_container(p.config, resolve=False)
+    if shown["model"]["path"] is not None:  # the loaded model's own architecture and tokenizer apply
+        del shown["model"]["build"], shown["model"]["tokenizer"]
+        print("# model.build and model.tokenizer are a built model's: not shown, model.path is set")
+    print(OmegaConf.to_yaml(shown), end="")
     return 0
 
 

@@ -102,3 +102,19 @@ def test_miles_config_reports_errors_with_exit_2(capsys):
     assert main(["config", QUICKSTART, "reward.name=nope"]) == 2
     err = capsys.readouterr().err
     assert "miles: error:" in err and "unknown reward 'nope'" in err
+
+
+def test_miles_config_shows_only_the_model_keys_that_apply(tmp_path, capsys, tiny_model_dir):
+    """A run on ``model.path`` uses that model's architecture and tokenizer: ``model.build`` and
+    ``model.tokenizer`` (a built model's) are left out of what ``miles config`` prints, and it says so."""
+    import yaml
+
+    from miles.cli import main
+
+    assert main(["config", QUICKSTART, f"run.dir={tmp_path / 'run'}"]) == 0
+    assert {"build", "tokenizer"} <= set(yaml.safe_load(capsys.readouterr().out)["model"])
+    assert main(["config", QUICKSTART, f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# model.build and model.tokenizer are a built model's: not shown, model.path is set")
+    model = yaml.safe_load(out)["model"]
+    assert model["path"] == str(tiny_model_dir) and not {"build", "tokenizer"} & set(model)

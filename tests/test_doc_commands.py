@@ -43,7 +43,13 @@ def test_the_docs_hold_commands_to_check():
 
 
 @pytest.mark.parametrize("page, command", COMMANDS, ids=[f"{p}: {c}" for p, c in COMMANDS])
-def test_a_documented_command_validates_as_written(page, command, tmp_path):
+def test_a_documented_command_validates_as_written(page, command, tmp_path, monkeypatch):
+    from miles.run import settings
+
+    for name in ("local_model_problem", "data_file_problem"):  # what earlier commands of the docs wrote is not here
+        check = getattr(settings, name)
+        monkeypatch.setattr(settings, name, lambda path, *more, check=check:
+                            None if str(path).startswith("runs/") else check(path, *more))
     args = shlex.split(command)[2:]
     args = [a for i, a in enumerate(args) if not a.startswith("--") and not (i and args[i - 1] in ("--model",))]
     config, overrides = args[0], args[1:]

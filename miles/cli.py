@@ -52,14 +52,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     """The eval section's datasets on a trained model: one line per metric, or JSON. What can be checked without
     the model or the data (the config, the files it names, the model's folder) is, before torch is imported."""
     from miles.config.prepared import prepare
-    from miles.errors import ConfigError
-    from miles.run.hub import local_model_problem
-    from miles.run.settings import check_paths
+    from miles.run.settings import check_eval_paths
 
     p = prepare(args.config, args.overrides)
-    check_paths(p.config)
-    if problem := local_model_problem(args.model, "--model"):
-        raise ConfigError(problem)
+    check_eval_paths(p.config, args.model)
     from miles.run.runner import evaluate_model
 
     with interrupts.handling():
@@ -77,10 +73,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     """The resolved config, validated: its keys and values, the plugins it names and their arguments, the backend's
     options, the run directory. With ``--check``, also every check ``miles train`` makes before it starts (model,
     tokenizer, data, checkpoint to resume from), which imports torch and transformers. Nothing is written."""
-    from omegaconf import OmegaConf
-
     from miles.config.prepared import prepare
-    from miles.run.settings import check_settings
+    from miles.run.settings import check_settings, shown_config
 
     p = prepare(args.config, args.overrides)
     if args.check or args.target:
@@ -92,11 +86,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
         preflight(p, plugin_stack(p.pm, p.registry), target).discard()
     else:
         check_settings(p)
-    shown = OmegaConf.to_container(p.config, resolve=False)
-    if shown["model"]["path"] is not None:  # the loaded model's own architecture and tokenizer apply
-        del shown["model"]["build"], shown["model"]["tokenizer"]
-        print("# model.build and model.tokenizer are a built model's: not shown, model.path is set")
-    print(OmegaConf.to_yaml(shown), end="")
+    print(shown_config(p.config), end="")
     return 0
 
 

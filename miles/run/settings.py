@@ -20,8 +20,8 @@ from miles.run.lock import LOCK_NAME
 from miles.run.placement import refused_pairs
 from miles.train.assemble import build_backend
 
-__all__ = ["batch_arithmetic", "check_cpus", "check_lora", "check_paths", "check_run_dir", "check_settings",
-           "lora_options", "ray_reservation", "trial_backends"]
+__all__ = ["batch_arithmetic", "check_cpus", "check_eval_paths", "check_lora", "check_paths", "check_run_dir",
+           "check_settings", "lora_options", "ray_reservation", "shown_config", "trial_backends"]
 
 
 def check_run_dir(run_cfg: Any) -> Path:
@@ -150,6 +150,26 @@ def check_paths(config: Any) -> None:
     for key, path in named:
         if path is not None and not is_hub_data(str(path)) and (problem := data_file_problem(str(path))):
             raise DataError(f"{key}: {problem}")
+
+
+def check_eval_paths(config: Any, model_dir: str) -> None:
+    """``miles eval``'s files, checked before torch is imported: those the config names, and ``--model``."""
+    check_paths(config)
+    if problem := local_model_problem(model_dir, "--model"):
+        raise ConfigError(problem)
+
+
+def shown_config(config: Any) -> str:
+    """The resolved config as ``miles config`` prints it: with ``model.path`` set, without ``model.build`` and
+    ``model.tokenizer`` (a built model's), and a line that says so."""
+    from omegaconf import OmegaConf
+
+    shown = OmegaConf.to_container(config, resolve=False)
+    if shown["model"]["path"] is None:
+        return OmegaConf.to_yaml(shown)
+    del shown["model"]["build"], shown["model"]["tokenizer"]
+    return ("# model.build and model.tokenizer are a built model's: not shown, model.path is set\n"
+            + OmegaConf.to_yaml(shown))
 
 
 def check_settings(p: Any) -> tuple[Path, int | None]:
